@@ -1,0 +1,143 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"net/http"
+	"time"
+)
+
+// Store keeps idempotency records. Implementations are guest modules in
+// the namespace "http.handlers.idempotency.stores", selected by the
+// "backend" field of the handler's "store" object.
+//
+// Every method is one round trip to the backing store: the request path
+// costs exactly two (Acquire, Complete) for a first execution and one
+// (Acquire) for a replay.
+type Store interface {
+	// Acquire atomically either creates an in_progress record owned by
+	// req.Token, or returns the record that already exists. An existing
+	// record that has expired, or whose lock is older than
+	// req.LockTimeout, is taken over by exactly one caller (a
+	// compare-and-swap), which then owns it as if it had been created.
+	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
+
+	// Complete stores resp on the record owned by token and marks it
+	// completed. It returns ErrLockLost if the caller no longer owns
+	// the record (another request took it over).
+	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error
+
+	// Release deletes the in_progress record owned by token, so that a
+	// retry executes. It returns ErrLockLost if the caller no longer owns
+	// the record.
+	Release(ctx context.Context, key RecordKey, token LockToken) error
+
+	// Renew moves the lock time of the record owned by token to now, so
+	// that a slow request is not taken over while it runs. It returns
+	// ErrLockLost if the caller no longer owns the record.
+	Renew(ctx context.Context, key RecordKey, token LockToken) error
+
+	// Prune deletes expired records in batches of at most batchSize rows
+	// and returns how many it deleted. With a shared store, only one
+	// caller prunes at a time; the others return 0 at once.
+	Prune(ctx context.Context, batchSize int) (int64, error)
+}
+
+// ErrLockLost means the record is no longer owned by the caller's token:
+// its lock went stale and another request took it over, or it was
+// released by an operator.
+var ErrLockLost = errors.New("idempotency: lock lost to another request")
+
+// ErrStoreFull is returned by a bounded store that cannot take a new
+// record; the handler answers 503 so the client retries later.
+var ErrStoreFull = errors.New("idempotency: store is full")
+
+// RecordKey identifies a record: the SHA-256 of the credential and the
+// client's Idempotency-Key. The raw credential never reaches a store.
+type RecordKey struct {
+	CredentialHash [32]byte
+	Key            string
+}
+
+// LockToken identifies one owner of an in_progress record, so that a
+// request whose lock was taken over cannot complete or release the
+// record of the request that took it over.
+type LockToken [16]byte
+
+// newLockToken returns a random token.
+func newLockToken() LockToken {
+	var t LockToken
+	_, _ = rand.Read(t[:]) // crypto/rand.Read never returns an error
+	return t
+}
+
+// Status is the state of a record.
+type Status string
+
+const (
+	StatusInProgress Status = "in_progress"
+	StatusCompleted  Status = "completed"
+)
+
+// AcquireRequest describes the request that wants to own a key.
+type AcquireRequest struct {
+	Key         RecordKey
+	Token       LockToken
+	Fingerprint [32]byte
+	Method      string
+	Path        string
+	// LockTimeout is how old an in_progress lock must be before another
+	// request may take it over.
+	LockTimeout time.Duration
+	// Retention is how long after creation the record expires.
+	Retention time.Duration
+}
+
+// Outcome says how Acquire ended.
+type Outcome int
+
+const (
+	// OutcomeCreated: no live record existed; the caller owns a new one.
+	OutcomeCreated Outcome = iota
+	// OutcomeTakenOver: an in_progress record's lock had gone stale; the
+	// caller took it over and owns it.
+	OutcomeTakenOver
+	// OutcomeExisting: a live record exists and is owned by someone
+	// else, or is completed. AcquireResult.Record describes it.
+	OutcomeExisting
+)
+
+// AcquireResult is the answer of Acquire.
+type AcquireResult struct {
+	Outcome Outcome
+	// Record is the existing record when Outcome is OutcomeExisting.
+	Record *Record
+}
+
+// Record is a stored idempotency record as Acquire returns it.
+type Record struct {
+	Status      Status
+	Fingerprint [32]byte
+	Method      string
+	Path        string
+	CreatedAt   time.Time
+	ExpiresAt   time.Time
+	LockedAt    time.Time
+	// Response is set when Status is StatusCompleted.
+	Response *Response
+}
+
+// Response is a recorded response.
+type Response struct {
+	Status int
+	Header http.Header
+	Body   []byte
+	// Replayable is false when the body was larger than
+	// max_response_body: the record is completed without a body and a
+	// retry gets an error instead of a truncated replay.
+	Replayable bool
+	// BodySize is the size of the original body, even when it was too
+	// large to keep.
+	BodySize int64
+}
