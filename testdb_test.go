@@ -1,16 +1,247 @@
 package idempotency
 
+// Tests that need Postgres call testDSN(t), which finds one the way a
+// developer's machine has it, in this order:
+//
+//  1. IDEMPOTENCY_TEST_DSN, when set, e.g.
+//     IDEMPOTENCY_TEST_DSN='postgres://me@db.internal/scratch?sslmode=disable'
+//  2. postgres://postgres@127.0.0.1:5432/test?sslmode=disable, if it answers.
+//     IDEMPOTENCY_TEST_NO_DEFAULT=1 skips this probe (to exercise step 3).
+//  3. A throwaway cluster started from PostgreSQL's server binaries
+//     (initdb and pg_ctl on PATH or in /usr/lib/postgresql/*/bin): in a
+//     temporary directory, on a free port of 127.0.0.1, run as the
+//     postgres user (or nobody) when the tests run as root.
+//
+// Otherwise the test fails, saying how to provide one; it never skips.
+//
+// The package's TestMain must stop the throwaway cluster once the tests are
+// done. testPostgres.cleanup is nil until a test asked for Postgres, so
+// that a run that needed none starts none:
+//
+//	func TestMain(m *testing.M) {
+//		code := m.Run()
+//		if cleanup := testPostgres.cleanup; cleanup != nil {
+//			cleanup() // a no-op unless a throwaway cluster was started
+//		}
+//		os.Exit(code)
+//	}
+
 import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
 	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
+const defaultTestDSN = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+var testPostgres struct {
+	once    sync.Once
+	dsn     string
+	cleanup func()
+	err     error
+}
+
+// setupTestPostgres finds or starts the Postgres that tests use, once per
+// test binary. cleanup stops and deletes a cluster that it started.
+func setupTestPostgres() (dsn string, cleanup func(), err error) {
+	p := &testPostgres
+	p.once.Do(func() {
+		p.cleanup = func() {}
+		if dsn := os.Getenv("IDEMPOTENCY_TEST_DSN"); dsn != "" {
+			p.dsn = dsn
+			return
+		}
+		var probeErr error
+		if os.Getenv("IDEMPOTENCY_TEST_NO_DEFAULT") == "" {
+			if probeErr = pingPostgres(defaultTestDSN); probeErr == nil {
+				p.dsn = defaultTestDSN
+				return
+			}
+		}
+		dsn, cleanup, err := startThrowawayPostgres()
+		if err != nil {
+			if probeErr != nil {
+				err = fmt.Errorf("%s: %v; and %w", defaultTestDSN, probeErr, err)
+			}
+			p.err = err
+			return
+		}
+		p.dsn, p.cleanup = dsn, cleanup
+	})
+	return p.dsn, p.cleanup, p.err
+}
+
 // testDSN returns the connection string of the Postgres that tests use.
-// Tests that need Postgres fail (never skip) when none can be found.
 func testDSN(t testing.TB) string {
 	t.Helper()
-	if dsn := os.Getenv("IDEMPOTENCY_TEST_DSN"); dsn != "" {
-		return dsn
+	dsn, _, err := setupTestPostgres()
+	if err != nil {
+		t.Fatalf("no Postgres for the tests: %v\n"+
+			"set IDEMPOTENCY_TEST_DSN=postgres://user@host:port/db?sslmode=disable to use one", err)
 	}
-	return "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	return dsn
+}
+
+func pingPostgres(dsn string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return err
+	}
+	return conn.Close(ctx)
+}
+
+// startThrowawayPostgres initialises and starts a cluster in a temporary
+// directory, tuned for speed over durability.
+func startThrowawayPostgres() (dsn string, cleanup func(), err error) {
+	initdb, pgCtl, err := findPostgresBinaries()
+	if err != nil {
+		return "", nil, err
+	}
+	dir, err := os.MkdirTemp("", "idempotency-pg-")
+	if err != nil {
+		return "", nil, err
+	}
+	defer func() {
+		if err != nil {
+			os.RemoveAll(dir)
+		}
+	}()
+
+	// The server refuses to run as root.
+	var asUser []string
+	if os.Geteuid() == 0 {
+		u, err := serverUser()
+		if err != nil {
+			return "", nil, err
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if err := os.Chown(dir, uid, gid); err != nil {
+			return "", nil, err
+		}
+		asUser = []string{"runuser", "-u", u.Username, "--"}
+	}
+	run := func(args ...string) error {
+		args = append(slices.Clone(asUser), args...)
+		cmd := exec.Command(args[0], args[1:]...)
+		cmd.Dir = dir // the server user may not be allowed into the package's directory
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return nil
+	}
+
+	data := filepath.Join(dir, "data")
+	if err := run(initdb, "-D", data, "--username=postgres", "--auth=trust",
+		"--encoding=UTF8", "--locale=C", "--no-sync"); err != nil {
+		return "", nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		return "", nil, err
+	}
+	opts := fmt.Sprintf("-c listen_addresses=127.0.0.1 -p %d -k %s -c max_connections=200 "+
+		"-c fsync=off -c synchronous_commit=off -c full_page_writes=off", port, dir)
+	if err := run(pgCtl, "-D", data, "-l", filepath.Join(dir, "server.log"), "-o", opts, "-w", "-t", "60", "start"); err != nil {
+		return "", nil, err
+	}
+	cleanup = func() {
+		_ = run(pgCtl, "-D", data, "-m", "immediate", "-w", "stop")
+		os.RemoveAll(dir)
+	}
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port), cleanup, nil
+}
+
+// findPostgresBinaries looks on PATH, then in Debian's versioned
+// directories, newest first.
+func findPostgresBinaries() (initdb, pgCtl string, err error) {
+	if initdb, err := exec.LookPath("initdb"); err == nil {
+		if pgCtl, err := exec.LookPath("pg_ctl"); err == nil {
+			return initdb, pgCtl, nil
+		}
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	slices.SortFunc(dirs, func(a, b string) int {
+		va, _ := strconv.Atoi(filepath.Base(filepath.Dir(a)))
+		vb, _ := strconv.Atoi(filepath.Base(filepath.Dir(b)))
+		return vb - va
+	})
+	for _, d := range dirs {
+		initdb, pgCtl := filepath.Join(d, "initdb"), filepath.Join(d, "pg_ctl")
+		if _, err := os.Stat(initdb); err != nil {
+			continue
+		}
+		if _, err := os.Stat(pgCtl); err != nil {
+			continue
+		}
+		return initdb, pgCtl, nil
+	}
+	return "", "", errors.New("no PostgreSQL server binaries (initdb, pg_ctl) on PATH nor in /usr/lib/postgresql/*/bin")
+}
+
+func serverUser() (*user.User, error) {
+	for _, name := range []string{"postgres", "nobody"} {
+		if u, err := user.Lookup(name); err == nil {
+			return u, nil
+		}
+	}
+	return nil, errors.New("running as root, and neither a postgres nor a nobody user exists to run the server")
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// freshTable returns a table name of its own for the test, and drops the
+// table and its migration bookkeeping when the test ends, so that tests
+// can run in parallel on one database.
+func freshTable(t testing.TB) string {
+	t.Helper()
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	name := "it_" + hex.EncodeToString(b[:])
+	dsn := testDSN(t)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, dsn)
+		if err != nil {
+			t.Errorf("dropping test table %s: %v", name, err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+name); err != nil {
+			t.Errorf("dropping test table %s: %v", name, err)
+		}
+		_, err = conn.Exec(ctx, "DELETE FROM "+migrationsTable+" WHERE table_name = $1", name)
+		var pgErr *pgconn.PgError
+		if err != nil && !(errors.As(err, &pgErr) && pgErr.Code == "42P01") { // undefined_table: never migrated
+			t.Errorf("forgetting migrations of test table %s: %v", name, err)
+		}
+	})
+	return name
 }

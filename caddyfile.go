@@ -1,0 +1,198 @@
+package idempotency
+
+import (
+	"math"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/dustin/go-humanize"
+)
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("idempotency", parseCaddyfile)
+	// After authentication (the credential must be known) and encode
+	// (so the stored body is the identity one, and encode compresses
+	// replays as it does first responses); before the handlers that
+	// respond, which are what it protects.
+	httpcaddyfile.RegisterDirectiveOrder("idempotency", httpcaddyfile.Before, "invoke")
+}
+
+func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	handler := new(Handler)
+	err := handler.UnmarshalCaddyfile(h.Dispenser)
+	return handler, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	idempotency [<matcher>] {
+//	    store postgres {
+//	        dsn        <connection string>
+//	        table      <name>
+//	        max_conns  <n>
+//	        migrate    on|off
+//	    }
+//	    store memory [{ max_entries <n> }]
+//	    key_header         <name>
+//	    credential_header  <name>
+//	    credential         <placeholder>
+//	    methods            <method...>
+//	    optional
+//	    retention          <duration>
+//	    lock_timeout       <duration>
+//	    retry_after        <duration>
+//	    max_request_body   <size>
+//	    max_response_body  <size>
+//	    exclude_headers    <name...>
+//	    prune_interval     <duration>
+//	    execution_timeout  <duration>
+//	}
+func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume directive name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		name := d.Val()
+		if seen[name] {
+			return d.Errf("idempotency: %s given more than once", name)
+		}
+		seen[name] = true
+
+		var err error
+		switch name {
+		case "store":
+			err = h.unmarshalStore(d)
+		case "key_header":
+			err = oneArg(d, &h.KeyHeader)
+		case "credential_header":
+			err = oneArg(d, &h.CredentialHeader)
+		case "credential":
+			err = oneArg(d, &h.Credential)
+		case "methods":
+			h.Methods = d.RemainingArgs()
+			if len(h.Methods) == 0 {
+				return d.ArgErr()
+			}
+			for i, m := range h.Methods {
+				h.Methods[i] = strings.ToUpper(m)
+				if !validToken(m) {
+					return d.Errf("idempotency: methods: invalid method %q", m)
+				}
+			}
+		case "optional":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			h.Optional = true
+		case "retention":
+			err = durationArg(d, &h.Retention, false)
+		case "lock_timeout":
+			err = durationArg(d, &h.LockTimeout, false)
+		case "retry_after":
+			err = durationArg(d, &h.RetryAfter, false)
+		case "execution_timeout":
+			err = durationArg(d, &h.ExecutionTimeout, false)
+		case "prune_interval":
+			var interval caddy.Duration
+			err = durationArg(d, &interval, true)
+			h.PruneInterval = &interval
+		case "max_request_body":
+			err = sizeArg(d, &h.MaxRequestBody)
+		case "max_response_body":
+			err = sizeArg(d, &h.MaxResponseBody)
+		case "exclude_headers":
+			h.ExcludeHeaders = d.RemainingArgs()
+			if len(h.ExcludeHeaders) == 0 {
+				return d.ArgErr()
+			}
+			for _, name := range h.ExcludeHeaders {
+				if !validToken(name) {
+					return d.Errf("idempotency: exclude_headers: invalid header name %q", name)
+				}
+			}
+		default:
+			return d.Errf("idempotency: unrecognized subdirective %q", name)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// unmarshalStore parses `store <backend> [{ ... }]`, handing the
+// backend's own block to the backend module.
+func (h *Handler) unmarshalStore(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Errf("idempotency: store needs a backend: postgres or memory")
+	}
+	backend := d.Val()
+	unm, err := caddyfile.UnmarshalModule(d, "http.handlers.idempotency.stores."+backend)
+	if err != nil {
+		if _, getErr := caddy.GetModule("http.handlers.idempotency.stores." + backend); getErr != nil {
+			return d.Errf("idempotency: unknown store %q (want postgres or memory)", backend)
+		}
+		return err
+	}
+	h.StoreRaw = caddyconfig.JSONModuleObject(unm, "backend", backend, nil)
+	return nil
+}
+
+func oneArg(d *caddyfile.Dispenser, dst *string) error {
+	name := d.Val()
+	if !d.NextArg() {
+		return d.ArgErr()
+	}
+	*dst = d.Val()
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	if strings.TrimSpace(*dst) == "" {
+		return d.Errf("idempotency: %s must not be empty", name)
+	}
+	return nil
+}
+
+func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool) error {
+	name := d.Val()
+	var s string
+	if !d.Args(&s) || d.NextArg() {
+		return d.ArgErr()
+	}
+	dur, err := caddy.ParseDuration(s)
+	if err != nil {
+		return d.Errf("idempotency: %s: invalid duration %q: %v", name, s, err)
+	}
+	if dur < 0 || (dur == 0 && !zeroOK) {
+		return d.Errf("idempotency: %s: duration must be positive, got %q", name, s)
+	}
+	*dst = caddy.Duration(dur)
+	return nil
+}
+
+func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
+	name := d.Val()
+	var s string
+	if !d.Args(&s) || d.NextArg() {
+		return d.ArgErr()
+	}
+	n, err := humanize.ParseBytes(s)
+	if err != nil {
+		return d.Errf("idempotency: %s: invalid size %q: %v", name, s, err)
+	}
+	if n == 0 || n > math.MaxInt32 {
+		return d.Errf("idempotency: %s: size must be between 1 byte and 2GiB, got %q", name, s)
+	}
+	*dst = int64(n)
+	return nil
+}
+
+// Interface guards
+var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -1,0 +1,504 @@
+package idempotency
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+)
+
+func TestParseKey(t *testing.T) {
+	long := strings.Repeat("k", maxKeyLen)
+	var printable []byte // every printable byte, the space inside
+	for c := byte('!'); c <= '~'; c++ {
+		printable = append(printable, c)
+		if c == 'O' {
+			printable = append(printable, ' ')
+		}
+	}
+	for _, tc := range []struct {
+		name, raw, want string
+		errHas          string // a fragment of the error, when one is expected
+	}{
+		{name: "uuid", raw: "8e03978e-40d5-43e8-bc93-6894a57f9324", want: "8e03978e-40d5-43e8-bc93-6894a57f9324"},
+		{name: "shortest", raw: "abcdefgh", want: "abcdefgh"},
+		{name: "longest", raw: long, want: long},
+		{name: "every printable byte", raw: string(printable), want: string(printable)},
+		{name: "inner spaces and quotes kept", raw: `a b"c\d e`, want: `a b"c\d e`},
+		{name: "ends with a quote", raw: `abcdefgh"`, want: `abcdefgh"`},
+		{name: "empty", raw: "", errHas: "got 0 bytes"},
+		{name: "too short", raw: "abcdefg", errHas: "got 7 bytes"},
+		{name: "too long", raw: long + "k", errHas: "got 256 bytes"},
+		{name: "non-ASCII", raw: "clé-abcdefgh", errHas: "byte 3 is 0xC3"},
+		{name: "tab", raw: "abcd\tefgh", errHas: "byte 5 is 0x09"},
+		{name: "DEL", raw: "abcdefgh\x7f", errHas: "byte 9 is 0x7F"},
+		{name: "leading space", raw: " abcdefgh", errHas: "begin or end with a space"},
+		{name: "trailing space", raw: "abcdefgh ", errHas: "begin or end with a space"},
+
+		{name: "quoted means the bare key", raw: `"abcdefgh"`, want: "abcdefgh"},
+		{name: "quoted uuid", raw: `"8e03978e-40d5-43e8-bc93-6894a57f9324"`, want: "8e03978e-40d5-43e8-bc93-6894a57f9324"},
+		{name: "quoted escapes", raw: `"abc\"def\\gh"`, want: `abc"def\gh`},
+		{name: "quoted escape first", raw: `"\\abcdefgh"`, want: `\abcdefgh`},
+		{name: "quoted spaces kept", raw: `" abcdefg "`, want: " abcdefg "},
+		{name: "quoted longest", raw: `"` + long + `"`, want: long},
+		{name: "quoted escaped longest", raw: `"` + strings.Repeat(`\\`, maxKeyLen) + `"`, want: strings.Repeat(`\`, maxKeyLen)},
+		{name: "quoted too short", raw: `"abcdefg"`, errHas: "got 7 between the quotes"},
+		{name: "quoted too short once unescaped", raw: `"ab\"\"\"cd"`, errHas: "got 7 between the quotes"},
+		{name: "quoted too long", raw: `"` + long + `k"`, errHas: "got 256 between the quotes"},
+		{name: "quoted far too long", raw: `"` + strings.Repeat("k", 600) + `"`, errHas: "got a 602-byte value"},
+		{name: "quoted empty", raw: `""`, errHas: "got 0 between the quotes"},
+		{name: "lone quote", raw: `"`, errHas: "no closing quote"},
+		{name: "unterminated", raw: `"abcdefgh`, errHas: "no closing quote"},
+		{name: "escaped closing quote", raw: `"abcdefgh\"`, errHas: "no closing quote"},
+		{name: "bad escape", raw: `"abcd\nefgh"`, errHas: "invalid escape"},
+		{name: "backslash at end", raw: `"abcdefgh\`, errHas: "invalid escape"},
+		{name: "parameters", raw: `"abcdefgh";a=1`, errHas: "after its closing quote"},
+		{name: "space after", raw: `"abcdefgh" `, errHas: "after its closing quote"},
+		{name: "quoted non-ASCII", raw: `"abcdéfgh"`, errHas: "byte 6 is 0xC3"},
+		{name: "quoted tab", raw: "\"abcd\tefgh\"", errHas: "byte 6 is 0x09"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := parseKey(tc.raw)
+			if tc.errHas != "" {
+				if err == nil {
+					t.Fatalf("parseKey(%q) = %q, want an error", tc.raw, got)
+				}
+				if !strings.Contains(err.Error(), tc.errHas) {
+					t.Fatalf("parseKey(%q) error %q does not say %q", tc.raw, err, tc.errHas)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("parseKey(%q): %v", tc.raw, err)
+			}
+			if got != tc.want {
+				t.Fatalf("parseKey(%q) = %q, want %q", tc.raw, got, tc.want)
+			}
+		})
+	}
+}
+
+func TestParseKeyErrorsTellTheRule(t *testing.T) {
+	_, err := parseKey("short")
+	if err == nil || !strings.Contains(err.Error(), "8 to 255 printable ASCII characters") {
+		t.Fatalf("error %v does not state the rule", err)
+	}
+}
+
+func TestIsJSONContentType(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/json":                        true,
+		"application/json; charset=utf-8":         true,
+		"Application/JSON;charset=UTF-8":          true,
+		" application/json ; charset=utf-8":       true,
+		"application/problem+json":                true,
+		"application/vnd.api+json; ext=bulk":      true,
+		"application/merge-patch+JSON":            true,
+		"text/plain":                              false,
+		"application/json-seq":                    false,
+		"application/jsonx":                       false,
+		"application/x-www-form-urlencoded":       false,
+		"application/+json":                       false,
+		"+json":                                   false,
+		"/json":                                   false,
+		"json":                                    false,
+		"":                                        false,
+		"multipart/form-data; boundary=x+json":    false,
+		"application/xml; profile=something+json": false,
+	} {
+		if got := isJSONContentType(ct); got != want {
+			t.Errorf("isJSONContentType(%q) = %v, want %v", ct, got, want)
+		}
+	}
+}
+
+func TestCanonicalJSON(t *testing.T) {
+	for _, tc := range []struct {
+		name, in, want string // want "" means not canonicalisable
+	}{
+		{name: "sorted", in: `{"a":1,"b":2}`, want: `{"a":1,"b":2}`},
+		{name: "reordered with whitespace", in: " { \"b\" : 2 ,\n\t\"a\" : 1 }\r\n", want: `{"a":1,"b":2}`},
+		{name: "nested objects sorted, arrays kept", in: `{"z":[3,1,{"y":1,"x":2}],"a":{"d":null,"c":true}}`, want: `{"a":{"c":true,"d":null},"z":[3,1,{"x":2,"y":1}]}`},
+		{name: "numbers kept", in: `[1.0, 1, -0, 1e3, 1E+3, 0.10, -12.5e-7]`, want: `[1.0,1,-0,1e3,1E+3,0.10,-12.5e-7]`},
+		{name: "big numbers kept", in: `[123456789012345678901234567890, 1e999]`, want: `[123456789012345678901234567890,1e999]`},
+		{name: "strings kept", in: `["\u00e9", "é", "\/", "/", "a\tb\n"]`, want: `["\u00e9","é","\/","/","a\tb\n"]`},
+		{name: "scalars", in: ` "x" `, want: `"x"`},
+		{name: "literal", in: "true", want: "true"},
+		{name: "number", in: "\n-1.5\n", want: "-1.5"},
+		{name: "empty containers", in: `{ "a" : [ ] , "b" : { } }`, want: `{"a":[],"b":{}}`},
+		{name: "empty object", in: `{}`, want: `{}`},
+		{name: "duplicates keep their order", in: `{"b":0,"a":1,"a":2}`, want: `{"a":1,"a":2,"b":0}`},
+		{name: "duplicates other order", in: `{"a":2,"b":0,"a":1}`, want: `{"a":2,"a":1,"b":0}`},
+		{name: "escaped names sort by their decoded value", in: `{"b":1,"\u0061":2,"\u0063":3}`, want: `{"\u0061":2,"b":1,"\u0063":3}`},
+		{name: "decoded-equal names are duplicates", in: `{"\u0061":1,"a":2}`, want: `{"\u0061":1,"a":2}`},
+		{name: "decoded-equal names other order", in: `{"a":2,"\u0061":1}`, want: `{"a":2,"\u0061":1}`},
+		{name: "names by code point", in: `{"é":1,"z":2,"Z":3,"":4,"aa":5,"a":6}`, want: `{"":4,"Z":3,"a":6,"aa":5,"z":2,"é":1}`},
+		{name: "surrogate pair name", in: `{"\ud83d\ude00":1,"\uffff":2}`, want: `{"\uffff":2,"\ud83d\ude00":1}`},
+		{name: "lone surrogates decode to U+FFFD as in encoding/json", in: `{"\ud800":1,"\uFFFD":2,"\udc00":3}`, want: `{"\ud800":1,"\uFFFD":2,"\udc00":3}`},
+		{name: "deep but within the limit", in: strings.Repeat("[", canonMaxDepth) + strings.Repeat("]", canonMaxDepth), want: strings.Repeat("[", canonMaxDepth) + strings.Repeat("]", canonMaxDepth)},
+
+		{name: "empty body", in: ""},
+		{name: "only whitespace", in: " \n"},
+		{name: "trailing garbage", in: `{"a":1}x`},
+		{name: "two values", in: `{} {}`},
+		{name: "trailing comma", in: `[1,]`},
+		{name: "trailing comma in object", in: `{"a":1,}`},
+		{name: "leading comma", in: `[,1]`},
+		{name: "comma in empty object", in: `{,}`},
+		{name: "missing colon", in: `{"a" 1}`},
+		{name: "missing value", in: `{"a":}`},
+		{name: "name not a string", in: `{a:1}`},
+		{name: "mismatched brackets", in: `[1}`},
+		{name: "unclosed", in: `{"a":[1,2`},
+		{name: "extra closer", in: `[1]]`},
+		{name: "leading zero", in: `01`},
+		{name: "bare minus", in: `-`},
+		{name: "dot without digits", in: `1.`},
+		{name: "exponent without digits", in: `1e+`},
+		{name: "plus sign", in: `+1`},
+		{name: "hex", in: `0x10`},
+		{name: "NaN", in: `NaN`},
+		{name: "truncated literal", in: `tru`},
+		{name: "literal with suffix", in: `nullx`},
+		{name: "single quotes", in: `'a'`},
+		{name: "control character in string", in: "\"a\nb\""},
+		{name: "bad escape", in: `"\x41"`},
+		{name: "short unicode escape", in: `"\u12"`},
+		{name: "non-hex unicode escape", in: `"\u12G4"`},
+		{name: "unterminated string", in: `"abc`},
+		{name: "invalid UTF-8", in: "\"\xff\""},
+		{name: "encoded surrogate", in: "\"\xed\xa0\x80\""},
+		{name: "byte order mark", in: "\ufeff{}"},
+		{name: "one level too deep", in: strings.Repeat("[", canonMaxDepth+1) + strings.Repeat("]", canonMaxDepth+1)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := canonicalJSON([]byte("prefix"), []byte(tc.in))
+			if tc.want == "" {
+				if ok || string(got) != "prefix" {
+					t.Fatalf("canonicalJSON(%q) = %q, %v; want dst unchanged, false", tc.in, got, ok)
+				}
+				return
+			}
+			if !ok || string(got) != "prefix"+tc.want {
+				t.Fatalf("canonicalJSON(%q) = %q, %v; want %q, true", tc.in, got, ok, "prefix"+tc.want)
+			}
+		})
+	}
+}
+
+// TestCanonicalJSONHostileNesting checks that nesting far past the limit
+// is refused without exhausting the stack or taking long.
+func TestCanonicalJSONHostileNesting(t *testing.T) {
+	const depth = 100_000
+	for name, body := range map[string]string{
+		"arrays":   strings.Repeat("[", depth) + strings.Repeat("]", depth),
+		"objects":  strings.Repeat(`{"a":`, depth) + "1" + strings.Repeat("}", depth),
+		"unclosed": strings.Repeat("[", depth),
+	} {
+		t.Run(name, func(t *testing.T) {
+			start := time.Now()
+			if _, ok := canonicalJSON(nil, []byte(body)); ok {
+				t.Fatal("canonicalised a body nested 100,000 levels deep")
+			}
+			// The fingerprint falls back to the raw body.
+			fp := fingerprint("POST", "/", "", "application/json", []byte(body))
+			if fp != fingerprint("POST", "/", "", "text/plain", []byte(body)) {
+				t.Fatal("a body that cannot be canonicalised is not hashed raw")
+			}
+			if d := time.Since(start); d > time.Second {
+				t.Fatalf("took %v", d)
+			}
+		})
+	}
+}
+
+func TestCanonicalJSONManyMembers(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("{")
+	const n = 50_000
+	for i := n - 1; i >= 0; i-- {
+		fmt.Fprintf(&b, `"k%06d":[%d,{"z":0,"a":0}],`, i, i)
+	}
+	b.WriteString(`"k":0}`)
+	got, ok := canonicalJSON(nil, []byte(b.String()))
+	if !ok {
+		t.Fatal("not canonicalised")
+	}
+	if !bytes.HasPrefix(got, []byte(`{"k":0,"k000000":[0,{"a":0,"z":0}],"k000001":`)) ||
+		!bytes.HasSuffix(got, []byte(`"k049999":[49999,{"a":0,"z":0}]}`)) {
+		t.Fatalf("unexpected output %.80s...%s", got, got[len(got)-40:])
+	}
+}
+
+func TestFingerprint(t *testing.T) {
+	const js = "application/json"
+	base := fingerprint("POST", "/charges", "a=1", js, []byte(`{"a":1,"b":2}`))
+	for _, tc := range []struct {
+		name                    string
+		method, path, query, ct string
+		body                    string
+		same                    bool
+	}{
+		{name: "identical", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":2}`, same: true},
+		{name: "reordered, spaced JSON", method: "POST", path: "/charges", query: "a=1", ct: js, body: "{ \"b\": 2, \"a\": 1 }\n", same: true},
+		{name: "+json with charset", method: "POST", path: "/charges", query: "a=1", ct: "application/vnd.x+json; charset=utf-8", body: `{"b":2,"a":1}`, same: true},
+		{name: "number spelled differently", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1.0,"b":2}`},
+		{name: "other value", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":3}`},
+		{name: "reordered but not JSON", method: "POST", path: "/charges", query: "a=1", ct: "text/plain", body: `{"b":2,"a":1}`},
+		{name: "other method", method: "PATCH", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":2}`},
+		{name: "other path", method: "POST", path: "/charges/", query: "a=1", ct: js, body: `{"a":1,"b":2}`},
+		{name: "other query", method: "POST", path: "/charges", query: "a=2", ct: js, body: `{"a":1,"b":2}`},
+		{name: "no query", method: "POST", path: "/charges", query: "", ct: js, body: `{"a":1,"b":2}`},
+		{name: "query moved into the path", method: "POST", path: "/chargesa=1", query: "", ct: js, body: `{"a":1,"b":2}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := fingerprint(tc.method, tc.path, tc.query, tc.ct, []byte(tc.body))
+			if (got == base) != tc.same {
+				t.Fatalf("fingerprint equal to the base: %v, want %v", got == base, tc.same)
+			}
+		})
+	}
+}
+
+// TestFingerprintFraming checks that moving bytes from one field to the
+// next changes the fingerprint.
+func TestFingerprintFraming(t *testing.T) {
+	type req struct{ method, path, query, body string }
+	seen := map[[32]byte]req{}
+	for _, r := range []req{
+		{"POST", "/ab", "", ""},
+		{"POSTa", "/b", "", ""},
+		{"POST", "/a", "b", ""},
+		{"POST", "/", "ab", ""},
+		{"POST", "/", "a", "b"},
+		{"POST", "/", "", "ab"},
+		{"POST", "", "/", "ab"},
+		{"", "POST", "/", "ab"},
+		{"POST/", "", "", "ab"},
+	} {
+		fp := fingerprint(r.method, r.path, r.query, "text/plain", []byte(r.body))
+		if prev, dup := seen[fp]; dup {
+			t.Fatalf("%+v and %+v fingerprint alike", prev, r)
+		}
+		seen[fp] = r
+	}
+}
+
+func TestFingerprintEscapesKept(t *testing.T) {
+	a := fingerprint("POST", "/", "", "application/json", []byte(`{"name":"\u00e9"}`))
+	b := fingerprint("POST", "/", "", "application/json", []byte(`{"name":"é"}`))
+	if a == b {
+		t.Fatal(`"\u00e9" and "é" fingerprint alike: strings are meant to be kept exactly as sent`)
+	}
+}
+
+// FuzzParseKey checks parseKey against the rules stated independently:
+// a bare key is accepted as is exactly when it follows them, and a key
+// sent quoted is the same key as sent bare.
+func FuzzParseKey(f *testing.F) {
+	for _, seed := range []string{
+		"8e03978e-40d5-43e8-bc93-6894a57f9324", "abcdefgh", `"abcdefgh"`, `"a\"b\\cdefgh"`,
+		`"abc`, `"abcdefgh";x=1`, " abcdefgh", "abc\x00defgh", "",
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, raw string) {
+		key, err := parseKey(raw)
+		if err != nil {
+			if err.Error() == "" {
+				t.Fatal("empty error message")
+			}
+		} else {
+			if len(key) < minKeyLen || len(key) > maxKeyLen {
+				t.Fatalf("parseKey(%q) = %q: length %d", raw, key, len(key))
+			}
+			for i := 0; i < len(key); i++ {
+				if key[i] < 0x20 || key[i] > 0x7e {
+					t.Fatalf("parseKey(%q) = %q: byte 0x%02x", raw, key, key[i])
+				}
+			}
+			if q, err := parseKey(sfQuote(key)); err != nil || q != key {
+				t.Fatalf("quoted %q parses to %q, %v", key, q, err)
+			}
+		}
+		if strings.HasPrefix(raw, `"`) {
+			return
+		}
+		valid := len(raw) >= minKeyLen && len(raw) <= maxKeyLen &&
+			strings.Trim(raw, " ") == raw && !strings.ContainsFunc(raw, func(r rune) bool { return r < 0x20 || r > 0x7e })
+		if valid != (err == nil) || valid && key != raw {
+			t.Fatalf("parseKey(%q) = %q, %v; the key is valid: %v", raw, key, err, valid)
+		}
+	})
+}
+
+// sfQuote serialises s as an RFC 8941 sf-string.
+func sfQuote(s string) string {
+	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(s) + `"`
+}
+
+// FuzzCanonicalJSON checks canonicalJSON against encoding/json: it only
+// accepts JSON texts, refuses a valid one only for its depth, and its
+// output is a fixed point that decodes to the same value, whatever the
+// order of the input's object members.
+func FuzzCanonicalJSON(f *testing.F) {
+	for _, seed := range []string{
+		`{"a":1,"b":2}`, `{ "b": 2, "a": 1 }`, `[1.0, -0, 1e-7, "\u00e9", "é", null, true, false]`,
+		`{"a":{"d":[{"y":1,"x":2}],"c":{}},"a":[]}`, `{"\ud83d\ude00":1,"\ud800":2,"\u0061":3,"a":4}`,
+		`{"a":1}x`, `[1,]`, "\"\xff\"", strings.Repeat("[", canonMaxDepth+1),
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, in []byte) {
+		out, ok := canonicalJSON(nil, in)
+		_ = fingerprint("POST", "/", "", "application/json", in)
+		if !ok {
+			if out != nil {
+				t.Fatalf("not ok but wrote %q", out)
+			}
+			if json.Valid(in) && utf8.Valid(in) && bytes.Count(in, []byte("["))+bytes.Count(in, []byte("{")) <= canonMaxDepth {
+				t.Fatalf("refused a valid JSON text %q", in)
+			}
+			return
+		}
+		if !json.Valid(in) {
+			t.Fatalf("accepted %q, which encoding/json rejects", in)
+		}
+		if !json.Valid(out) {
+			t.Fatalf("canonical form %q of %q is not valid JSON", out, in)
+		}
+		again, ok := canonicalJSON(nil, out)
+		if !ok || !bytes.Equal(again, out) {
+			t.Fatalf("canonical form %q of %q is not a fixed point: %q, %v", out, in, again, ok)
+		}
+		if a, b := decodeJSON(t, in), decodeJSON(t, out); !reflect.DeepEqual(a, b) {
+			t.Fatalf("%q decodes to %#v, its canonical form %q to %#v", in, a, out, b)
+		}
+		p := reverser{b: out, distinct: true}
+		reversed := p.value()
+		if !p.distinct {
+			return // reordering duplicate names is meant to change the output
+		}
+		if got, ok := canonicalJSON(nil, reversed); !ok || !bytes.Equal(got, out) {
+			t.Fatalf("%q with its members reversed, %q, canonicalises to %q, %v; want %q", in, reversed, got, ok, out)
+		}
+	})
+}
+
+func decodeJSON(t *testing.T, b []byte) any {
+	t.Helper()
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.UseNumber()
+	var v any
+	if err := d.Decode(&v); err != nil {
+		t.Fatalf("decode %q: %v", b, err)
+	}
+	return v
+}
+
+// reverser rewrites a compact JSON text with the members of every object
+// in reverse order; it is a separate, recursive parser so as not to test
+// canonicalJSON with itself.
+type reverser struct {
+	b        []byte
+	i        int
+	distinct bool // no object has two names that decode alike
+}
+
+func (p *reverser) value() []byte {
+	switch p.b[p.i] {
+	case '{', '[':
+		object := p.b[p.i] == '{'
+		p.i++
+		var items [][]byte
+		names := map[string]bool{}
+		for p.b[p.i] != '}' && p.b[p.i] != ']' {
+			if p.b[p.i] == ',' {
+				p.i++
+			}
+			var item []byte
+			if object {
+				raw := p.value()
+				var name string
+				if err := json.Unmarshal(raw, &name); err != nil {
+					panic(err)
+				}
+				if names[name] {
+					p.distinct = false
+				}
+				names[name] = true
+				p.i++ // the colon
+				item = append(append(raw, ':'), p.value()...)
+			} else {
+				item = p.value()
+			}
+			items = append(items, item)
+		}
+		p.i++
+		open, close := "[", "]"
+		if object {
+			open, close = "{", "}"
+			for l, r := 0, len(items)-1; l < r; l, r = l+1, r-1 {
+				items[l], items[r] = items[r], items[l]
+			}
+		}
+		return []byte(open + string(bytes.Join(items, []byte(","))) + close)
+	case '"':
+		start := p.i
+		for p.i++; p.b[p.i] != '"'; p.i++ {
+			if p.b[p.i] == '\\' {
+				p.i++
+			}
+		}
+		p.i++
+		return append([]byte(nil), p.b[start:p.i]...)
+	default:
+		start := p.i
+		for p.i < len(p.b) && !strings.ContainsRune(",:]}", rune(p.b[p.i])) {
+			p.i++
+		}
+		return append([]byte(nil), p.b[start:p.i]...)
+	}
+}
+
+// body2KiB is a request body of the usual shape: a few levels of objects
+// and arrays, numbers and strings, some escaped.
+var body2KiB = func() []byte {
+	var b bytes.Buffer
+	b.WriteString(`{"type":"payment_intent","currency":"eur","amount":129900,"confirm":true,` +
+		`"description":"Order #1001 \u2014 \"express\"","metadata":{"order_id":"1001","source":"web","campaign":null},` +
+		`"customer":{"name":"Zoë Müller","email":"zoe@example.com","address":{"line1":"Hauptstraße 5","city":"Berlin","postal_code":"10115","country":"DE"}},` +
+		`"items":[`)
+	for i := 0; b.Len() < 2000; i++ {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, `{"sku":"SKU-%04d","quantity":%d,"unit_price":%d.99,"tags":["gift","fragile"],"options":{"wrap":false,"note":""}}`, i, i%3+1, 10+i)
+	}
+	b.WriteString(`]}`)
+	return b.Bytes()
+}()
+
+func BenchmarkFingerprintJSON2KiB(b *testing.B) {
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body2KiB)))
+	for b.Loop() {
+		fingerprint("POST", "/v1/payment_intents", "expand=customer", "application/json; charset=utf-8", body2KiB)
+	}
+}
+
+func BenchmarkCanonicalJSON(b *testing.B) {
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body2KiB)))
+	dst := make([]byte, 0, len(body2KiB))
+	for b.Loop() {
+		var ok bool
+		if dst, ok = canonicalJSON(dst[:0], body2KiB); !ok {
+			b.Fatal("not canonicalised")
+		}
+	}
+}

@@ -1,0 +1,846 @@
+package idempotency
+
+// The end-to-end harness: a real Caddy loaded in-process from a Caddyfile,
+// a real Postgres (testdb_test.go), and an upstream that keeps a ledger of
+// what it executed. Nothing in the request path is mocked.
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"mime"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+	"github.com/jackc/pgx/v5"
+)
+
+// caddyMu serialises tests that run Caddy: caddy.Load replaces the one
+// running config of the process.
+var caddyMu sync.Mutex
+
+// freeTCPPort returns a TCP port on 127.0.0.1 that nothing listens on now.
+func freeTCPPort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("free port: %v", err)
+	}
+	port := l.Addr().(*net.TCPAddr).Port
+	if err := l.Close(); err != nil {
+		t.Fatalf("free port: %v", err)
+	}
+	return port
+}
+
+// randomHex returns n random bytes, hex-encoded.
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
+
+// newKey returns a fresh, valid Idempotency-Key.
+func newKey() string { return "key-" + randomHex(8) }
+
+// adaptCaddyfile adapts a Caddyfile to Caddy JSON with the real adapter.
+func adaptCaddyfile(caddyfile string) ([]byte, []caddyconfig.Warning, error) {
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	if adapter == nil {
+		return nil, nil, fmt.Errorf("no caddyfile adapter registered")
+	}
+	return adapter.Adapt([]byte(caddyfile), nil)
+}
+
+// caddyServer is a running in-process Caddy.
+type caddyServer struct {
+	// LogPath is the file the whole process logs to (JSON, DEBUG level).
+	LogPath string
+	// JSON is the config that was loaded.
+	JSON []byte
+}
+
+// globalOptions is the global options block every test config starts with.
+func globalOptions(logPath, admin string) string {
+	if admin == "" {
+		admin = "off"
+	}
+	return fmt.Sprintf(`{
+	admin %s
+	auto_https off
+	persist_config off
+	grace_period 200ms
+	log {
+		output file %s
+		format json
+		level DEBUG
+	}
+}
+`, admin, logPath)
+}
+
+// startCaddyfile adapts and loads a Caddyfile (which must not contain a
+// global options block: globalOptions is prepended) and stops Caddy when
+// the test ends. On failure the module's log lines are printed.
+func startCaddyfile(t testing.TB, sites string) *caddyServer {
+	t.Helper()
+	return startCaddyfileAdmin(t, sites, "")
+}
+
+// startCaddyfileAdmin is startCaddyfile with an admin endpoint address.
+func startCaddyfileAdmin(t testing.TB, sites, admin string) *caddyServer {
+	t.Helper()
+	logPath := filepath.Join(t.TempDir(), "caddy.log")
+	cfg := globalOptions(logPath, admin) + sites
+	cfgJSON, _, err := adaptCaddyfile(cfg)
+	if err != nil {
+		t.Fatalf("adapting Caddyfile: %v\n%s", err, cfg)
+	}
+	return startCaddyJSON(t, cfgJSON, logPath)
+}
+
+// startCaddyJSON loads a Caddy JSON config and stops it at cleanup.
+func startCaddyJSON(t testing.TB, cfgJSON []byte, logPath string) *caddyServer {
+	t.Helper()
+	caddyMu.Lock()
+	if err := caddy.Load(cfgJSON, true); err != nil {
+		caddyMu.Unlock()
+		t.Fatalf("loading config: %v\n%s", err, cfgJSON)
+	}
+	s := &caddyServer{LogPath: logPath, JSON: cfgJSON}
+	t.Cleanup(func() {
+		if err := caddy.Stop(); err != nil {
+			t.Errorf("stopping caddy: %v", err)
+		}
+		caddyMu.Unlock()
+		if t.Failed() && logPath != "" {
+			s.dumpModuleLog(t)
+		}
+	})
+	return s
+}
+
+// logLines returns the log file's JSON lines, decoded.
+func (s *caddyServer) logLines(t testing.TB) []map[string]any {
+	t.Helper()
+	data, err := os.ReadFile(s.LogPath)
+	if err != nil {
+		t.Fatalf("reading log: %v", err)
+	}
+	var lines []map[string]any
+	for _, raw := range bytes.Split(data, []byte("\n")) {
+		if len(bytes.TrimSpace(raw)) == 0 {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal(raw, &m); err != nil {
+			continue
+		}
+		lines = append(lines, m)
+	}
+	return lines
+}
+
+// moduleLogLines returns the lines logged by this module.
+func (s *caddyServer) moduleLogLines(t testing.TB) []map[string]any {
+	t.Helper()
+	var out []map[string]any
+	for _, l := range s.logLines(t) {
+		if name, _ := l["logger"].(string); strings.Contains(name, "idempotency") {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+func (s *caddyServer) dumpModuleLog(t testing.TB) {
+	data, err := os.ReadFile(s.LogPath)
+	if err != nil {
+		return
+	}
+	var keep []string
+	for _, l := range strings.Split(string(data), "\n") {
+		if strings.Contains(l, "idempotency") || strings.Contains(l, `"level":"error"`) {
+			keep = append(keep, l)
+		}
+	}
+	if len(keep) > 60 {
+		keep = keep[len(keep)-60:]
+	}
+	t.Logf("caddy log (module and error lines, last %d):\n%s", len(keep), strings.Join(keep, "\n"))
+}
+
+// ---------------------------------------------------------------------------
+// Stores
+
+// storeBackend is one of the two stores a store-neutral test runs against.
+type storeBackend struct {
+	Name  string // "memory" or "postgres"
+	DSN   string // postgres only
+	Table string // postgres only
+}
+
+// Block returns the store subdirective for the Caddyfile.
+func (sb storeBackend) Block() string {
+	if sb.Name == "memory" {
+		return "store memory"
+	}
+	return fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", sb.DSN, sb.Table)
+}
+
+// eachStore runs fn as the subtests "memory" and "postgres" (the latter
+// on a fresh table).
+func eachStore(t *testing.T, fn func(t *testing.T, sb storeBackend)) {
+	t.Helper()
+	t.Run("memory", func(t *testing.T) { fn(t, storeBackend{Name: "memory"}) })
+	t.Run("postgres", func(t *testing.T) { fn(t, postgresBackend(t)) })
+}
+
+// postgresBackend returns the Postgres store on a fresh table.
+func postgresBackend(t *testing.T) storeBackend {
+	t.Helper()
+	return storeBackend{Name: "postgres", DSN: testDSN(t), Table: freshTable(t)}
+}
+
+// pgQuery runs a query against the test database and returns each row's
+// columns as strings.
+func pgQuery(t testing.TB, dsn, query string, args ...any) [][]string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatalf("connecting to postgres: %v", err)
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, query, args...)
+	if err != nil {
+		t.Fatalf("query %q: %v", query, err)
+	}
+	defer rows.Close()
+	var out [][]string
+	for rows.Next() {
+		vals, err := rows.Values()
+		if err != nil {
+			t.Fatalf("query %q: %v", query, err)
+		}
+		row := make([]string, len(vals))
+		for i, v := range vals {
+			row[i] = fmt.Sprint(v)
+		}
+		out = append(out, row)
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatalf("query %q: %v", query, err)
+	}
+	return out
+}
+
+// pgExec runs a statement against the test database.
+func pgExec(t testing.TB, dsn, stmt string, args ...any) int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatalf("connecting to postgres: %v", err)
+	}
+	defer conn.Close(context.Background())
+	tag, err := conn.Exec(ctx, stmt, args...)
+	if err != nil {
+		t.Fatalf("exec %q: %v", stmt, err)
+	}
+	return tag.RowsAffected()
+}
+
+// pgCount counts the rows of a table.
+func pgCount(t testing.TB, sb storeBackend) int {
+	t.Helper()
+	rows := pgQuery(t, sb.DSN, "SELECT count(*) FROM "+pgx.Identifier{sb.Table}.Sanitize())
+	n, _ := strconv.Atoi(rows[0][0])
+	return n
+}
+
+// ---------------------------------------------------------------------------
+// The upstream
+
+// execution is one request the upstream executed.
+type execution struct {
+	ID        string
+	Seq       int
+	Method    string
+	Path      string // with query
+	Key       string // Idempotency-Key as received ("" if none)
+	Body      []byte // exactly the bytes received
+	Header    http.Header
+	Started   time.Time
+	Finished  bool // wrote its whole response
+	Cancelled bool // its request context was cancelled before it finished
+	Ended     time.Time
+}
+
+// upstream is an httptest.Server that records every request it executes.
+// Its behaviour is chosen per request with X-Test-* request headers, so
+// concurrent requests need no shared setup:
+//
+//	X-Test-Sleep: <duration>  wait before answering (ends early, Cancelled, if the request context ends)
+//	X-Test-Status: <code>     answer with this status (default 201)
+//	X-Test-Extra: 1           also send Set-Cookie (twice), Authorization and X-Secret
+//	X-Test-Size: <n>          answer with an n-byte body (text) instead of the JSON echo
+//	X-Test-Chunked: 1         do not send Content-Length (stream the body)
+//	X-Test-Gate: <name>       stream: send "first\n", flush, wait for Open(name), send "second\n"
+//	X-Test-Crash: 1           read the body, then drop the connection without answering
+//
+// Every answer carries X-Execution-Id, unique per execution, so a replay
+// is visibly the first response.
+type upstream struct {
+	*httptest.Server
+
+	mu    sync.Mutex
+	execs []*execution
+	gates map[string]chan struct{}
+}
+
+func newUpstream(t testing.TB) *upstream {
+	t.Helper()
+	u := &upstream{gates: make(map[string]chan struct{})}
+	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
+	t.Cleanup(func() {
+		u.mu.Lock()
+		for name, ch := range u.gates {
+			select {
+			case <-ch:
+			default:
+				close(ch)
+			}
+			delete(u.gates, name)
+		}
+		u.mu.Unlock()
+		u.Server.CloseClientConnections()
+		u.Server.Close()
+	})
+	return u
+}
+
+// Addr is host:port for reverse_proxy.
+func (u *upstream) Addr() string { return strings.TrimPrefix(u.URL, "http://") }
+
+func (u *upstream) gate(name string) chan struct{} {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	ch, ok := u.gates[name]
+	if !ok {
+		ch = make(chan struct{})
+		u.gates[name] = ch
+	}
+	return ch
+}
+
+// Open releases the requests waiting at gate name.
+func (u *upstream) Open(name string) {
+	ch := u.gate(name)
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+}
+
+func (u *upstream) serve(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, "reading body: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	u.mu.Lock()
+	e := &execution{
+		ID:      randomHex(8),
+		Seq:     len(u.execs) + 1,
+		Method:  r.Method,
+		Path:    r.URL.RequestURI(),
+		Key:     r.Header.Get("Idempotency-Key"),
+		Body:    body,
+		Header:  r.Header.Clone(),
+		Started: time.Now(),
+	}
+	u.execs = append(u.execs, e)
+	u.mu.Unlock()
+
+	end := func(finished, cancelled bool) {
+		u.mu.Lock()
+		e.Finished, e.Cancelled, e.Ended = finished, cancelled, time.Now()
+		u.mu.Unlock()
+	}
+
+	if r.Header.Get("X-Test-Crash") != "" {
+		end(true, false)
+		hj, ok := w.(http.Hijacker)
+		if !ok {
+			panic("upstream: cannot hijack")
+		}
+		conn, _, err := hj.Hijack()
+		if err == nil {
+			_ = conn.Close()
+		}
+		return
+	}
+
+	if d, err := time.ParseDuration(r.Header.Get("X-Test-Sleep")); err == nil && d > 0 {
+		select {
+		case <-time.After(d):
+		case <-r.Context().Done():
+			end(false, true)
+			return
+		}
+	}
+
+	status := http.StatusCreated
+	if s := r.Header.Get("X-Test-Status"); s != "" {
+		status, _ = strconv.Atoi(s)
+	}
+	h := w.Header()
+	h.Set("X-Execution-Id", e.ID)
+	h["X-Multi"] = []string{"one", "two"}
+	h.Set("Cache-Control", "no-store")
+	h.Set("Location", "/pay/"+e.ID)
+	if r.Header.Get("X-Test-Extra") != "" {
+		h["Set-Cookie"] = []string{"session=abc; Path=/", "tracker=xyz; Path=/"}
+		h.Set("Authorization", "Bearer upstream-token")
+		h.Set("X-Secret", "s3cr3t")
+	}
+
+	if gate := r.Header.Get("X-Test-Gate"); gate != "" {
+		h.Set("Content-Type", "text/plain")
+		w.WriteHeader(status)
+		_, _ = io.WriteString(w, "first-"+e.ID+"\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-u.gate(gate):
+		case <-time.After(5 * time.Second):
+		case <-r.Context().Done():
+			end(false, true)
+			return
+		}
+		_, _ = io.WriteString(w, "second\n")
+		end(true, false)
+		return
+	}
+
+	var out []byte
+	if n, err := strconv.Atoi(r.Header.Get("X-Test-Size")); err == nil {
+		out = sizedBody(e.ID, n)
+		h.Set("Content-Type", "text/plain")
+	} else {
+		out, _ = json.Marshal(map[string]any{
+			"execution": e.ID,
+			"seq":       e.Seq,
+			"method":    r.Method,
+			"path":      r.URL.RequestURI(),
+			"body_len":  len(body),
+		})
+		h.Set("Content-Type", "application/json")
+	}
+	if r.Header.Get("X-Test-Chunked") != "" {
+		w.WriteHeader(status)
+		for len(out) > 0 {
+			n := min(len(out), 512)
+			_, _ = w.Write(out[:n])
+			w.(http.Flusher).Flush()
+			out = out[n:]
+		}
+	} else {
+		h.Set("Content-Length", strconv.Itoa(len(out)))
+		w.WriteHeader(status)
+		_, _ = w.Write(out)
+	}
+	end(true, false)
+}
+
+// sizedBody is the deterministic n-byte body an X-Test-Size answer has.
+func sizedBody(id string, n int) []byte {
+	var b bytes.Buffer
+	for b.Len() < n {
+		fmt.Fprintf(&b, "%s:%08d\n", id, b.Len())
+	}
+	return b.Bytes()[:n]
+}
+
+// Executions returns a snapshot of the ledger.
+func (u *upstream) Executions() []execution {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	out := make([]execution, len(u.execs))
+	for i, e := range u.execs {
+		out[i] = *e
+	}
+	return out
+}
+
+// Count is how many requests the upstream executed.
+func (u *upstream) Count() int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return len(u.execs)
+}
+
+// WaitStarted waits until at least n executions have started.
+func (u *upstream) WaitStarted(t testing.TB, n int) {
+	t.Helper()
+	waitFor(t, 5*time.Second, fmt.Sprintf("%d upstream executions to start", n), func() bool { return u.Count() >= n })
+}
+
+// WaitEnded waits until at least n executions have ended (finished or
+// were cancelled).
+func (u *upstream) WaitEnded(t testing.TB, n int) {
+	t.Helper()
+	waitFor(t, 5*time.Second, fmt.Sprintf("%d upstream executions to end", n), func() bool {
+		ended := 0
+		for _, e := range u.Executions() {
+			if !e.Ended.IsZero() {
+				ended++
+			}
+		}
+		return ended >= n
+	})
+}
+
+// waitFor polls cond every 10ms until it holds or the timeout passes.
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// The protected site
+
+// site is a running Caddy serving one protected site.
+type site struct {
+	*caddyServer
+	URL    string
+	client *http.Client
+}
+
+// protectedSite starts Caddy with one site on a free port:
+//
+//	http://127.0.0.1:<port> {
+//		idempotency [matcher] {
+//			<store block>
+//			<directives>
+//		}
+//		reverse_proxy <upstream> { flush_interval -1 }
+//	}
+//
+// upstreamAddr "" proxies to a closed port (undialable).
+func protectedSite(t testing.TB, sb storeBackend, upstreamAddr string, directives ...string) *site {
+	t.Helper()
+	return protectedSiteMatcher(t, sb, upstreamAddr, "", directives...)
+}
+
+func protectedSiteMatcher(t testing.TB, sb storeBackend, upstreamAddr, matcher string, directives ...string) *site {
+	t.Helper()
+	if upstreamAddr == "" {
+		upstreamAddr = fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+	}
+	block := sb.Block()
+	if sb.Name == "" {
+		block = ""
+	}
+	port := freeTCPPort(t)
+	body := fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency %s{
+		%s
+		%s
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}
+}
+`, port, matcher, block, strings.Join(directives, "\n\t\t"), upstreamAddr)
+	return siteFromCaddyfile(t, port, body)
+}
+
+// siteFromCaddyfile starts Caddy from site blocks that listen on port.
+func siteFromCaddyfile(t testing.TB, port int, sites string) *site {
+	t.Helper()
+	srv := startCaddyfile(t, sites)
+	return newSiteClient(t, srv, port)
+}
+
+func newSiteClient(t testing.TB, srv *caddyServer, port int) *site {
+	tr := &http.Transport{MaxIdleConnsPerHost: 64}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &site{
+		caddyServer: srv,
+		URL:         fmt.Sprintf("http://127.0.0.1:%d", port),
+		client:      &http.Client{Transport: tr, Timeout: 15 * time.Second},
+	}
+}
+
+// noCred, as call.Cred, sends no credential header at all.
+const noCred = "\x00none"
+
+// defaultCred is the credential calls carry unless told otherwise.
+const defaultCred = "Bearer tenant-a-token"
+
+// call is one request to the site.
+type call struct {
+	Method      string // default POST
+	Path        string // default /pay
+	Key         string // Idempotency-Key; "" sends none
+	KeyHeader   string // default Idempotency-Key
+	Cred        string // Authorization; default defaultCred; noCred sends none
+	CredHeader  string // default Authorization
+	Body        []byte
+	ContentType string // default application/json; "-" sends none
+	Chunked     bool   // send the body without Content-Length
+	Header      map[string]string
+}
+
+// reply is a response read whole.
+type reply struct {
+	Status int
+	Header http.Header
+	Body   []byte
+}
+
+func (r reply) String() string {
+	return fmt.Sprintf("%d %v %q", r.Status, r.Header, r.Body)
+}
+
+// replayed says whether the reply carries the replay markers.
+func (r reply) replayed() bool {
+	return r.Header.Get("Idempotent-Replay") == "true"
+}
+
+func (s *site) request(ctx context.Context, c call) (*http.Request, error) {
+	if c.Method == "" {
+		c.Method = http.MethodPost
+	}
+	if c.Path == "" {
+		c.Path = "/pay"
+	}
+	var body io.Reader = bytes.NewReader(c.Body)
+	if c.Chunked {
+		body = io.MultiReader(bytes.NewReader(c.Body)) // unknown length: chunked
+	}
+	req, err := http.NewRequestWithContext(ctx, c.Method, s.URL+c.Path, body)
+	if err != nil {
+		return nil, err
+	}
+	if c.Chunked {
+		req.ContentLength = -1
+	}
+	if c.Key != "" {
+		h := c.KeyHeader
+		if h == "" {
+			h = "Idempotency-Key"
+		}
+		req.Header[http.CanonicalHeaderKey(h)] = []string{c.Key}
+	}
+	switch c.Cred {
+	case noCred:
+	case "":
+		c.Cred = defaultCred
+		fallthrough
+	default:
+		h := c.CredHeader
+		if h == "" {
+			h = "Authorization"
+		}
+		req.Header[http.CanonicalHeaderKey(h)] = []string{c.Cred}
+	}
+	switch c.ContentType {
+	case "-":
+	case "":
+		req.Header.Set("Content-Type", "application/json")
+	default:
+		req.Header.Set("Content-Type", c.ContentType)
+	}
+	for k, v := range c.Header {
+		req.Header.Set(k, v)
+	}
+	return req, nil
+}
+
+// Do sends c and reads the whole reply; transport errors fail the test.
+func (s *site) Do(t testing.TB, c call) reply {
+	t.Helper()
+	r, err := s.DoCtx(context.Background(), c)
+	if err != nil {
+		t.Fatalf("%s %s: %v", c.Method, c.Path, err)
+	}
+	return r
+}
+
+// DoCtx sends c and reads the whole reply.
+func (s *site) DoCtx(ctx context.Context, c call) (reply, error) {
+	req, err := s.request(ctx, c)
+	if err != nil {
+		return reply{}, err
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return reply{}, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return reply{}, err
+	}
+	return reply{Status: resp.StatusCode, Header: resp.Header, Body: b}, nil
+}
+
+// payBody is a JSON request body unique to the test.
+func payBody() []byte {
+	return []byte(`{"amount":1000,"currency":"eur","nonce":"` + randomHex(4) + `"}`)
+}
+
+// ---------------------------------------------------------------------------
+// Assertions
+
+// problemDoc is an RFC 9457 problem document.
+type problemDoc struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Detail string `json:"detail"`
+}
+
+// wantProblem asserts that r is an application/problem+json answer with
+// the given status, with type, title, status and detail, and returns it.
+func wantProblem(t testing.TB, r reply, status int) problemDoc {
+	t.Helper()
+	if r.Status != status {
+		t.Fatalf("status = %d, want %d; reply: %s", r.Status, status, r)
+	}
+	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if err != nil || mt != "application/problem+json" {
+		t.Errorf("Content-Type = %q, want application/problem+json; body %q", r.Header.Get("Content-Type"), r.Body)
+	}
+	var p problemDoc
+	if err := json.Unmarshal(r.Body, &p); err != nil {
+		t.Fatalf("problem body is not JSON: %v: %q", err, r.Body)
+	}
+	if p.Type == "" || p.Title == "" || p.Detail == "" {
+		t.Errorf("problem lacks type, title or detail: %+v", p)
+	}
+	if p.Status != status {
+		t.Errorf("problem status = %d, want %d", p.Status, status)
+	}
+	if r.replayed() {
+		t.Errorf("a problem the module produced carries Idempotent-Replay")
+	}
+	return p
+}
+
+// wantRetryAfter asserts a Retry-After of whole seconds, and returns it.
+func wantRetryAfter(t testing.TB, r reply) int {
+	t.Helper()
+	ra := r.Header.Get("Retry-After")
+	n, err := strconv.Atoi(ra)
+	if err != nil || n <= 0 {
+		t.Errorf("Retry-After = %q, want a positive number of seconds", ra)
+	}
+	return n
+}
+
+// wantReplayOf asserts that replay is a replay of first: same status, same
+// body byte for byte, same headers (but the replay markers, Set-Cookie,
+// Date and the hop-by-hop headers), with the two replay markers.
+func wantReplayOf(t testing.TB, replay, first reply) {
+	t.Helper()
+	if replay.Status != first.Status {
+		t.Errorf("replay status = %d, want %d", replay.Status, first.Status)
+	}
+	if !bytes.Equal(replay.Body, first.Body) {
+		t.Errorf("replay body differs:\n got %q\nwant %q", replay.Body, first.Body)
+	}
+	if got := replay.Header.Values("Idempotent-Replay"); len(got) != 1 || got[0] != "true" {
+		t.Errorf("Idempotent-Replay = %q, want exactly [true]", got)
+	}
+	if got := replay.Header.Values("Idempotent-Replayed"); len(got) != 1 || got[0] != "true" {
+		t.Errorf("Idempotent-Replayed = %q, want exactly [true]", got)
+	}
+	if got := replay.Header.Values("Set-Cookie"); len(got) != 0 {
+		t.Errorf("replay carries Set-Cookie %q", got)
+	}
+	ignore := map[string]bool{
+		"Date": true, "Set-Cookie": true, "Idempotent-Replay": true, "Idempotent-Replayed": true,
+		"Connection": true, "Keep-Alive": true, "Transfer-Encoding": true, "Authorization": true,
+	}
+	for k, want := range first.Header {
+		if ignore[k] {
+			continue
+		}
+		if got := replay.Header.Values(k); !equalStrings(got, want) {
+			t.Errorf("replay header %s = %q, want %q", k, got, want)
+		}
+	}
+	for k, got := range replay.Header {
+		// A replay may state the length that a streamed original did not.
+		if ignore[k] || k == "Content-Length" {
+			continue
+		}
+		if _, ok := first.Header[k]; !ok {
+			t.Errorf("replay adds header %s: %q", k, got)
+		}
+	}
+}
+
+func equalStrings(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// wantExecuted asserts that r is a fresh (non-replayed) upstream answer.
+func wantExecuted(t testing.TB, r reply, status int) {
+	t.Helper()
+	if r.Status != status {
+		t.Fatalf("status = %d, want %d (executed); reply: %s", r.Status, status, r)
+	}
+	if r.replayed() || r.Header.Get("Idempotent-Replayed") != "" {
+		t.Errorf("a first execution carries replay markers: %v", r.Header)
+	}
+	if r.Header.Get("X-Execution-Id") == "" {
+		t.Errorf("reply did not come from the upstream: %s", r)
+	}
+}
+
+// wantCount asserts how many executions the upstream saw.
+func wantCount(t testing.TB, u *upstream, n int) {
+	t.Helper()
+	if got := u.Count(); got != n {
+		t.Errorf("upstream executed %d times, want %d", got, n)
+	}
+}

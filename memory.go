@@ -1,0 +1,315 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(MemoryStore{})
+}
+
+const defaultMemoryMaxEntries = 100_000
+
+// memoryPool shares the records of each memory store configuration
+// between the handlers that use it, across config reloads: Caddy
+// provisions the new config before it cleans up the old one, so the
+// reference count stays above zero and in-flight records survive.
+var memoryPool = caddy.NewUsagePool()
+
+// MemoryStore keeps records in the memory of the Caddy process. It is
+// the default store, for development, demos and tests: records are lost
+// when the process exits and are not shared with other instances, so
+// retries that reach another instance, or come after a restart, execute
+// again. Use the postgres store in production.
+type MemoryStore struct {
+	// MaxEntries bounds the number of records kept. When the store is
+	// full of live records, a request with a new key gets 503 rather than
+	// evicting a live record, which would let that record's retry execute
+	// twice. Memory use is bounded by MaxEntries times the handler's
+	// max_response_body. Default: 100000.
+	MaxEntries int `json:"max_entries,omitempty"`
+
+	records *memoryRecords
+	poolKey string
+}
+
+// CaddyModule returns the Caddy module information.
+func (MemoryStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.idempotency.stores.memory",
+		New: func() caddy.Module { return new(MemoryStore) },
+	}
+}
+
+// Provision attaches the store to the records shared by every memory
+// store with the same MaxEntries.
+func (m *MemoryStore) Provision(ctx caddy.Context) error {
+	if m.MaxEntries < 0 {
+		return fmt.Errorf("max_entries must be positive, got %d", m.MaxEntries)
+	}
+	if m.MaxEntries == 0 {
+		m.MaxEntries = defaultMemoryMaxEntries
+	}
+	ctx.Logger().Warn("the memory store is not durable: records are lost when Caddy exits and are not shared with other instances; use the postgres store in production",
+		zap.Int("max_entries", m.MaxEntries))
+
+	key := "memory/" + strconv.Itoa(m.MaxEntries)
+	v, _, err := memoryPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return newMemoryRecords(m.MaxEntries, time.Now), nil
+	})
+	if err != nil {
+		return err
+	}
+	m.records, m.poolKey = v.(*memoryRecords), key
+	return nil
+}
+
+// Cleanup releases this configuration's reference to the records.
+func (m *MemoryStore) Cleanup() error {
+	if m.poolKey == "" {
+		return nil
+	}
+	_, err := memoryPool.Delete(m.poolKey)
+	return err
+}
+
+// Acquire implements Store.
+func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	if err := ctx.Err(); err != nil {
+		return AcquireResult{}, err
+	}
+	res, err := m.records.acquire(req)
+	if res.Record != nil {
+		// Stored responses are replaced, never changed in place, so the
+		// copy is made outside the lock.
+		res.Record.Response = copyResponse(res.Record.Response)
+	}
+	return res, err
+}
+
+// Complete implements Store.
+func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	// Copied outside the lock: the caller may reuse its buffers.
+	resp = copyResponse(resp)
+	return m.records.owned(key, token, func(rec *memoryRecord) {
+		rec.Status = StatusCompleted
+		rec.Response = resp
+	})
+}
+
+// Release implements Store.
+func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return m.records.owned(key, token, func(*memoryRecord) {
+		delete(m.records.m, key)
+	})
+}
+
+// Renew implements Store.
+func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return m.records.owned(key, token, func(rec *memoryRecord) {
+		rec.LockedAt = m.records.now()
+	})
+}
+
+// Prune implements Store. It holds the lock for one batch at a time, so
+// that requests are not stalled while a large store is swept.
+func (m *MemoryStore) Prune(ctx context.Context, batchSize int) (int64, error) {
+	s := m.records
+	// Old and new configs share the records during a reload; one
+	// sweeper is enough.
+	if !s.pruning.CompareAndSwap(false, true) {
+		return 0, nil
+	}
+	defer s.pruning.Store(false)
+	var total int64
+	for {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		s.mu.Lock()
+		n := s.dropExpired(s.now(), batchSize)
+		s.mu.Unlock()
+		total += int64(n)
+		if batchSize <= 0 || n < batchSize {
+			return total, nil
+		}
+	}
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
+//
+//	memory {
+//		max_entries <n>
+//	}
+func (m *MemoryStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the backend name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "max_entries":
+			if m.MaxEntries != 0 {
+				return d.Err("max_entries already specified")
+			}
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			n, err := strconv.Atoi(d.Val())
+			if err != nil || n <= 0 {
+				return d.Errf("max_entries must be a positive integer, got %q", d.Val())
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			m.MaxEntries = n
+		default:
+			return d.Errf("unrecognized memory store option %q", d.Val())
+		}
+	}
+	return nil
+}
+
+// memoryRecords is the state a MemoryStore shares through memoryPool.
+type memoryRecords struct {
+	now        func() time.Time
+	maxEntries int
+	pruning    atomic.Bool
+
+	mu sync.Mutex
+	m  map[RecordKey]*memoryRecord
+	// earliest is at or before the expiry of every record, so that a
+	// full store of live records refuses a new key without sweeping the
+	// whole map each time.
+	earliest time.Time
+}
+
+type memoryRecord struct {
+	Record
+	token LockToken
+}
+
+func newMemoryRecords(maxEntries int, now func() time.Time) *memoryRecords {
+	return &memoryRecords{now: now, maxEntries: maxEntries, m: make(map[RecordKey]*memoryRecord)}
+}
+
+func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	rec, ok := s.m[req.Key]
+	if ok && !now.Before(rec.ExpiresAt) {
+		delete(s.m, req.Key)
+		ok = false
+	}
+	if !ok {
+		if len(s.m) >= s.maxEntries && !now.Before(s.earliest) {
+			s.dropExpired(now, 0)
+		}
+		if len(s.m) >= s.maxEntries {
+			return AcquireResult{}, ErrStoreFull
+		}
+		rec = &memoryRecord{token: req.Token, Record: Record{
+			Status:      StatusInProgress,
+			Fingerprint: req.Fingerprint,
+			Method:      req.Method,
+			Path:        req.Path,
+			CreatedAt:   now,
+			ExpiresAt:   now.Add(req.Retention),
+			LockedAt:    now,
+		}}
+		s.m[req.Key] = rec
+		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
+			s.earliest = rec.ExpiresAt
+		}
+		return AcquireResult{Outcome: OutcomeCreated}, nil
+	}
+	// Only the same request may take over a stale lock: a different one
+	// under the same key must get its mismatch, not run in place of a
+	// request that may have executed.
+	if rec.Status == StatusInProgress && now.Sub(rec.LockedAt) > req.LockTimeout && rec.Fingerprint == req.Fingerprint {
+		rec.token, rec.LockedAt = req.Token, now
+		return AcquireResult{Outcome: OutcomeTakenOver}, nil
+	}
+	snapshot := rec.Record
+	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, nil
+}
+
+// owned runs f on the in_progress record of key if token owns it, under
+// the lock, or returns ErrLockLost.
+func (s *memoryRecords) owned(key RecordKey, token LockToken, f func(*memoryRecord)) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.m[key]
+	if !ok || rec.token != token || rec.Status != StatusInProgress {
+		return ErrLockLost
+	}
+	f(rec)
+	return nil
+}
+
+// dropExpired deletes up to limit (all if limit <= 0) expired records and
+// returns how many it deleted; s.mu must be held.
+func (s *memoryRecords) dropExpired(now time.Time, limit int) int {
+	var n int
+	var earliest time.Time
+	for key, rec := range s.m {
+		if !now.Before(rec.ExpiresAt) {
+			delete(s.m, key)
+			if n++; n == limit {
+				// The sweep stopped early: earliest stays a lower bound.
+				return n
+			}
+		} else if earliest.IsZero() || rec.ExpiresAt.Before(earliest) {
+			earliest = rec.ExpiresAt
+		}
+	}
+	s.earliest = earliest
+	return n
+}
+
+// Destruct implements caddy.Destructor: the records are dropped with the
+// last configuration that used them.
+func (s *memoryRecords) Destruct() error {
+	return nil
+}
+
+// copyResponse returns a deep copy of r, so that neither the store nor its
+// callers see the other's later changes.
+func copyResponse(r *Response) *Response {
+	if r == nil {
+		return nil
+	}
+	c := *r
+	c.Header = r.Header.Clone()
+	c.Body = bytes.Clone(r.Body)
+	return &c
+}
+
+// Interface guards
+var (
+	_ Store                 = (*MemoryStore)(nil)
+	_ caddy.Provisioner     = (*MemoryStore)(nil)
+	_ caddy.CleanerUpper    = (*MemoryStore)(nil)
+	_ caddyfile.Unmarshaler = (*MemoryStore)(nil)
+	_ caddy.Destructor      = (*memoryRecords)(nil)
+)

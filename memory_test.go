@@ -1,0 +1,508 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// memClock is a clock that tests move by hand.
+type memClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *memClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *memClock) advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+func newTestMemoryStore(maxEntries int) (*MemoryStore, *memClock) {
+	clock := &memClock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
+	return &MemoryStore{MaxEntries: maxEntries, records: newMemoryRecords(maxEntries, clock.now)}, clock
+}
+
+const (
+	memTestLockTimeout = 30 * time.Second
+	memTestRetention   = 24 * time.Hour
+)
+
+func memTestRequest(key string) AcquireRequest {
+	return AcquireRequest{
+		Key:         RecordKey{CredentialHash: [32]byte{1}, Key: key},
+		Token:       newLockToken(),
+		Fingerprint: [32]byte{2},
+		Method:      http.MethodPost,
+		Path:        "/charges",
+		LockTimeout: memTestLockTimeout,
+		Retention:   memTestRetention,
+	}
+}
+
+func mustAcquire(t *testing.T, s Store, req AcquireRequest, want Outcome) *Record {
+	t.Helper()
+	res, err := s.Acquire(context.Background(), req)
+	if err != nil {
+		t.Fatalf("Acquire(%q): %v", req.Key.Key, err)
+	}
+	if res.Outcome != want {
+		t.Fatalf("Acquire(%q) outcome = %v, want %v", req.Key.Key, res.Outcome, want)
+	}
+	if (res.Record != nil) != (want == OutcomeExisting) {
+		t.Fatalf("Acquire(%q) record = %+v with outcome %v", req.Key.Key, res.Record, res.Outcome)
+	}
+	return res.Record
+}
+
+// acquireConcurrently runs Acquire for n requests for the same key at
+// once and counts the outcomes.
+func acquireConcurrently(t *testing.T, s Store, n int) map[Outcome]int {
+	t.Helper()
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		outcomes = map[Outcome]int{}
+		start    = make(chan struct{})
+	)
+	for range n {
+		wg.Go(func() {
+			<-start
+			res, err := s.Acquire(context.Background(), memTestRequest("concurrent-key"))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if res.Outcome == OutcomeExisting && res.Record.Status != StatusInProgress {
+				t.Errorf("existing record is %s", res.Record.Status)
+			}
+			mu.Lock()
+			outcomes[res.Outcome]++
+			mu.Unlock()
+		})
+	}
+	close(start)
+	wg.Wait()
+	return outcomes
+}
+
+func TestMemoryConcurrentAcquireCreatesOnce(t *testing.T) {
+	s, _ := newTestMemoryStore(100)
+	got := acquireConcurrently(t, s, 50)
+	if got[OutcomeCreated] != 1 || got[OutcomeExisting] != 49 {
+		t.Fatalf("outcomes = %v, want 1 created and 49 existing", got)
+	}
+}
+
+func TestMemoryConcurrentTakeoverOnce(t *testing.T) {
+	s, clock := newTestMemoryStore(100)
+	dead := memTestRequest("concurrent-key")
+	mustAcquire(t, s, dead, OutcomeCreated)
+	clock.advance(memTestLockTimeout + time.Second)
+
+	got := acquireConcurrently(t, s, 50)
+	if got[OutcomeTakenOver] != 1 || got[OutcomeExisting] != 49 {
+		t.Fatalf("outcomes = %v, want 1 taken over and 49 existing", got)
+	}
+	if err := s.Complete(context.Background(), dead.Key, dead.Token, &Response{Status: 200}); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("the dead owner's Complete: %v, want ErrLockLost", err)
+	}
+}
+
+func TestMemoryTakeover(t *testing.T) {
+	s, clock := newTestMemoryStore(100)
+	ctx := context.Background()
+	first := memTestRequest("takeover-key")
+	mustAcquire(t, s, first, OutcomeCreated)
+
+	clock.advance(memTestLockTimeout)
+	retry := memTestRequest("takeover-key")
+	if rec := mustAcquire(t, s, retry, OutcomeExisting); rec.Status != StatusInProgress {
+		t.Fatalf("status %s", rec.Status)
+	}
+
+	// A different request never takes over: it must see the mismatch.
+	clock.advance(time.Nanosecond)
+	other := memTestRequest("takeover-key")
+	other.Fingerprint = [32]byte{3}
+	mustAcquire(t, s, other, OutcomeExisting)
+
+	mustAcquire(t, s, retry, OutcomeTakenOver)
+	if err := s.Renew(ctx, first.Key, first.Token); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("old owner's Renew: %v, want ErrLockLost", err)
+	}
+	if err := s.Release(ctx, first.Key, first.Token); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("old owner's Release: %v, want ErrLockLost", err)
+	}
+	// The takeover renewed the lock.
+	rec := mustAcquire(t, s, memTestRequest("takeover-key"), OutcomeExisting)
+	if !rec.LockedAt.Equal(clock.now()) || rec.CreatedAt.Equal(rec.LockedAt) {
+		t.Fatalf("after takeover: created %v, locked %v, now %v", rec.CreatedAt, rec.LockedAt, clock.now())
+	}
+	if err := s.Complete(ctx, retry.Key, retry.Token, &Response{Status: 201, Replayable: true}); err != nil {
+		t.Fatal(err)
+	}
+	// A completed record is never taken over, however old.
+	clock.advance(time.Hour)
+	if rec := mustAcquire(t, s, memTestRequest("takeover-key"), OutcomeExisting); rec.Status != StatusCompleted || rec.Response.Status != 201 {
+		t.Fatalf("record %+v", rec)
+	}
+}
+
+func TestMemoryRenewKeepsTheLock(t *testing.T) {
+	s, clock := newTestMemoryStore(100)
+	owner := memTestRequest("renew-key")
+	mustAcquire(t, s, owner, OutcomeCreated)
+	for range 3 {
+		clock.advance(memTestLockTimeout * 2 / 3)
+		if err := s.Renew(context.Background(), owner.Key, owner.Token); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clock.advance(memTestLockTimeout * 2 / 3)
+	rec := mustAcquire(t, s, memTestRequest("renew-key"), OutcomeExisting)
+	if rec.Status != StatusInProgress {
+		t.Fatalf("status %s", rec.Status)
+	}
+}
+
+func TestMemoryTokenChecks(t *testing.T) {
+	ctx := context.Background()
+	resp := &Response{Status: 200, Replayable: true}
+	for _, tc := range []struct {
+		name string
+		op   func(s Store, key RecordKey, token LockToken) error
+	}{
+		{"Complete", func(s Store, key RecordKey, token LockToken) error { return s.Complete(ctx, key, token, resp) }},
+		{"Release", func(s Store, key RecordKey, token LockToken) error { return s.Release(ctx, key, token) }},
+		{"Renew", func(s Store, key RecordKey, token LockToken) error { return s.Renew(ctx, key, token) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, _ := newTestMemoryStore(100)
+			owner := memTestRequest("token-key")
+			mustAcquire(t, s, owner, OutcomeCreated)
+
+			if err := tc.op(s, owner.Key, newLockToken()); !errors.Is(err, ErrLockLost) {
+				t.Fatalf("wrong token: %v, want ErrLockLost", err)
+			}
+			missing := owner.Key
+			missing.Key = "missing-key"
+			if err := tc.op(s, missing, owner.Token); !errors.Is(err, ErrLockLost) {
+				t.Fatalf("missing record: %v, want ErrLockLost", err)
+			}
+			otherTenant := owner.Key
+			otherTenant.CredentialHash = [32]byte{9}
+			if err := tc.op(s, otherTenant, owner.Token); !errors.Is(err, ErrLockLost) {
+				t.Fatalf("other credential: %v, want ErrLockLost", err)
+			}
+			if err := tc.op(s, owner.Key, owner.Token); err != nil {
+				t.Fatalf("owner: %v", err)
+			}
+			// The record is no longer in progress and owned: completed,
+			// released, or (Renew) still owned.
+			err := tc.op(s, owner.Key, owner.Token)
+			if tc.name == "Renew" {
+				if err != nil {
+					t.Fatalf("second Renew: %v", err)
+				}
+			} else if !errors.Is(err, ErrLockLost) {
+				t.Fatalf("second %s: %v, want ErrLockLost", tc.name, err)
+			}
+		})
+	}
+}
+
+func TestMemoryCompleteAndRelease(t *testing.T) {
+	s, _ := newTestMemoryStore(100)
+	ctx := context.Background()
+	req := memTestRequest("complete-key")
+	mustAcquire(t, s, req, OutcomeCreated)
+	resp := &Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":1}`), Replayable: true, BodySize: 8}
+	if err := s.Complete(ctx, req.Key, req.Token, resp); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("Release of a completed record: %v, want ErrLockLost", err)
+	}
+	rec := mustAcquire(t, s, memTestRequest("complete-key"), OutcomeExisting)
+	if rec.Status != StatusCompleted || rec.Fingerprint != req.Fingerprint || rec.Method != req.Method || rec.Path != req.Path ||
+		rec.Response.Status != 201 || string(rec.Response.Body) != `{"id":1}` || rec.Response.Header.Get("Content-Type") != "application/json" ||
+		!rec.Response.Replayable || rec.Response.BodySize != 8 {
+		t.Fatalf("record %+v, response %+v", rec, rec.Response)
+	}
+	if want := rec.CreatedAt.Add(memTestRetention); !rec.ExpiresAt.Equal(want) {
+		t.Fatalf("expires %v, want %v", rec.ExpiresAt, want)
+	}
+
+	released := memTestRequest("release-key")
+	mustAcquire(t, s, released, OutcomeCreated)
+	if err := s.Release(ctx, released.Key, released.Token); err != nil {
+		t.Fatal(err)
+	}
+	mustAcquire(t, s, memTestRequest("release-key"), OutcomeCreated)
+}
+
+func TestMemoryRecordsAreCopies(t *testing.T) {
+	s, _ := newTestMemoryStore(100)
+	req := memTestRequest("copy-key")
+	mustAcquire(t, s, req, OutcomeCreated)
+	resp := &Response{Status: 200, Header: http.Header{"X-A": {"1"}}, Body: []byte("body"), Replayable: true}
+	if err := s.Complete(context.Background(), req.Key, req.Token, resp); err != nil {
+		t.Fatal(err)
+	}
+	// The caller reuses its buffers...
+	resp.Body[0] = 'X'
+	resp.Header.Set("X-A", "2")
+	resp.Status = 500
+	// ...and a replaying handler changes what it was given.
+	rec := mustAcquire(t, s, memTestRequest("copy-key"), OutcomeExisting)
+	rec.Response.Body[0] = 'Y'
+	rec.Response.Header["X-A"][0] = "3"
+	rec.Response.Status = 502
+	rec.Status = StatusInProgress
+
+	rec = mustAcquire(t, s, memTestRequest("copy-key"), OutcomeExisting)
+	if rec.Status != StatusCompleted || rec.Response.Status != 200 || string(rec.Response.Body) != "body" || rec.Response.Header.Get("X-A") != "1" {
+		t.Fatalf("the store's record changed: %+v, %+v", rec, rec.Response)
+	}
+}
+
+func TestMemoryExpiredRecordsAreAbsent(t *testing.T) {
+	s, clock := newTestMemoryStore(100)
+	req := memTestRequest("expiry-key")
+	mustAcquire(t, s, req, OutcomeCreated)
+	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 200, Replayable: true}); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(memTestRetention - time.Nanosecond)
+	mustAcquire(t, s, memTestRequest("expiry-key"), OutcomeExisting)
+	clock.advance(time.Nanosecond)
+	again := memTestRequest("expiry-key")
+	again.Fingerprint = [32]byte{4} // even another request: the key is free again
+	mustAcquire(t, s, again, OutcomeCreated)
+	if rec := mustAcquire(t, s, memTestRequest("expiry-key"), OutcomeExisting); rec.Status != StatusInProgress || rec.Fingerprint != again.Fingerprint {
+		t.Fatalf("record %+v", rec)
+	}
+
+	// An in_progress record expires too.
+	stuck := memTestRequest("stuck-key")
+	stuck.Retention = time.Minute
+	mustAcquire(t, s, stuck, OutcomeCreated)
+	clock.advance(time.Minute)
+	mustAcquire(t, s, memTestRequest("stuck-key"), OutcomeCreated)
+}
+
+func TestMemoryPrune(t *testing.T) {
+	s, clock := newTestMemoryStore(100)
+	ctx := context.Background()
+	for i := range 10 {
+		mustAcquire(t, s, memTestRequest("old-"+strings.Repeat("x", i)), OutcomeCreated)
+	}
+	clock.advance(memTestRetention / 2)
+	for i := range 5 {
+		mustAcquire(t, s, memTestRequest("new-"+strings.Repeat("x", i)), OutcomeCreated)
+	}
+	if n, err := s.Prune(ctx, 3); err != nil || n != 0 {
+		t.Fatalf("Prune before expiry = %d, %v", n, err)
+	}
+	clock.advance(memTestRetention / 2)
+	if n, err := s.Prune(ctx, 3); err != nil || n != 10 {
+		t.Fatalf("Prune = %d, %v; want 10", n, err)
+	}
+	if n, err := s.Prune(ctx, 0); err != nil || n != 0 {
+		t.Fatalf("second Prune = %d, %v; want 0", n, err)
+	}
+	if len(s.records.m) != 5 {
+		t.Fatalf("%d records left, want 5", len(s.records.m))
+	}
+	for key := range s.records.m {
+		if !strings.HasPrefix(key.Key, "new-") {
+			t.Fatalf("live record %q was pruned", key.Key)
+		}
+	}
+
+	clock.advance(memTestRetention)
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := s.Prune(cancelled, 3); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Prune with a cancelled context: %v", err)
+	}
+	if n, err := s.Prune(ctx, 0); err != nil || n != 5 {
+		t.Fatalf("unbatched Prune = %d, %v; want 5", n, err)
+	}
+}
+
+func TestMemoryFull(t *testing.T) {
+	s, clock := newTestMemoryStore(3)
+	ctx := context.Background()
+	first := memTestRequest("full-1")
+	first.Retention = time.Hour
+	mustAcquire(t, s, first, OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-2"), OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-3"), OutcomeCreated)
+
+	if _, err := s.Acquire(ctx, memTestRequest("full-4")); !errors.Is(err, ErrStoreFull) {
+		t.Fatalf("new key in a full store: %v, want ErrStoreFull", err)
+	}
+	// Live records are never evicted, and keys already there still answer.
+	mustAcquire(t, s, memTestRequest("full-1"), OutcomeExisting)
+
+	// An expired record makes room.
+	clock.advance(time.Hour)
+	mustAcquire(t, s, memTestRequest("full-4"), OutcomeCreated)
+	if _, ok := s.records.m[first.Key]; ok {
+		t.Fatal("the expired record is still stored")
+	}
+	if _, err := s.Acquire(ctx, memTestRequest("full-5")); !errors.Is(err, ErrStoreFull) {
+		t.Fatalf("new key in a full store: %v, want ErrStoreFull", err)
+	}
+
+	// So does a released one.
+	released := memTestRequest("full-4")
+	if err := s.Release(ctx, released.Key, s.records.m[released.Key].token); err != nil {
+		t.Fatal(err)
+	}
+	mustAcquire(t, s, memTestRequest("full-5"), OutcomeCreated)
+}
+
+func TestMemoryCancelledContext(t *testing.T) {
+	s, _ := newTestMemoryStore(100)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	req := memTestRequest("cancelled-key")
+	if _, err := s.Acquire(ctx, req); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Acquire: %v", err)
+	}
+	if err := s.Complete(ctx, req.Key, req.Token, &Response{}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Complete: %v", err)
+	}
+	if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Release: %v", err)
+	}
+	if err := s.Renew(ctx, req.Key, req.Token); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Renew: %v", err)
+	}
+}
+
+func TestMemoryProvisionSharesRecords(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	const maxEntries = 4242 // no other test provisions this size
+	provision := func(maxEntries int) *MemoryStore {
+		t.Helper()
+		m := &MemoryStore{MaxEntries: maxEntries}
+		if err := m.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+
+	old := provision(maxEntries)
+	req := memTestRequest("reload-key")
+	mustAcquire(t, old, req, OutcomeCreated)
+
+	// A reload provisions the new config before cleaning up the old one.
+	reloaded := provision(maxEntries)
+	if reloaded.records != old.records {
+		t.Fatal("the reloaded store does not share the records")
+	}
+	if err := old.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if err := reloaded.Complete(context.Background(), req.Key, req.Token, &Response{Status: 200, Replayable: true}); err != nil {
+		t.Fatalf("in-flight request completing after the reload: %v", err)
+	}
+
+	if other := provision(maxEntries + 1); other.records == reloaded.records {
+		t.Fatal("stores of different sizes share records")
+	} else if err := other.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := reloaded.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := memoryPool.References(reloaded.poolKey); ok {
+		t.Fatal("the records outlive the last store using them")
+	}
+	fresh := provision(maxEntries)
+	defer fresh.Cleanup()
+	mustAcquire(t, fresh, memTestRequest("reload-key"), OutcomeCreated)
+}
+
+func TestMemoryProvisionDefaults(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	m := &MemoryStore{}
+	if err := m.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer m.Cleanup()
+	if m.MaxEntries != defaultMemoryMaxEntries || m.records.maxEntries != defaultMemoryMaxEntries {
+		t.Fatalf("max entries %d, %d", m.MaxEntries, m.records.maxEntries)
+	}
+
+	bad := &MemoryStore{MaxEntries: -1}
+	if err := bad.Provision(ctx); err == nil {
+		t.Fatal("negative max_entries accepted")
+	}
+	if err := bad.Cleanup(); err != nil {
+		t.Fatalf("Cleanup after a failed Provision: %v", err)
+	}
+
+	if _, err := caddy.GetModule("http.handlers.idempotency.stores.memory"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestMemoryUnmarshalCaddyfile(t *testing.T) {
+	for _, tc := range []struct {
+		name, input string
+		want        int
+		errHas      string
+		line        int // where the error points
+	}{
+		{name: "bare", input: "memory", want: 0},
+		{name: "empty block", input: "memory {\n}", want: 0},
+		{name: "max_entries", input: "memory {\n\tmax_entries 500\n}", want: 500},
+		{name: "argument", input: "memory 500", line: 1, errHas: "wrong argument count"},
+		{name: "missing value", input: "memory {\n\tmax_entries\n}", line: 2, errHas: "wrong argument count"},
+		{name: "two values", input: "memory {\n\tmax_entries 1 2\n}", line: 2, errHas: "wrong argument count"},
+		{name: "zero", input: "memory {\n\tmax_entries 0\n}", line: 2, errHas: `max_entries must be a positive integer, got "0"`},
+		{name: "negative", input: "memory {\n\tmax_entries -5\n}", line: 2, errHas: `max_entries must be a positive integer, got "-5"`},
+		{name: "not a number", input: "memory {\n\tmax_entries lots\n}", line: 2, errHas: `max_entries must be a positive integer, got "lots"`},
+		{name: "repeated", input: "memory {\n\tmax_entries 1\n\tmax_entries 2\n}", line: 3, errHas: "max_entries already specified"},
+		{name: "unknown", input: "memory {\n\tmax_bytes 1\n}", line: 2, errHas: `unrecognized memory store option "max_bytes"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var m MemoryStore
+			err := m.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if tc.errHas != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.errHas) || !strings.Contains(err.Error(), fmt.Sprintf("Testfile:%d", tc.line)) {
+					t.Fatalf("error %v, want one containing %q at line %d", err, tc.errHas, tc.line)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if m.MaxEntries != tc.want {
+				t.Fatalf("MaxEntries = %d, want %d", m.MaxEntries, tc.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,247 @@
+package idempotency
+
+import (
+	"context"
+	"embed"
+	"fmt"
+	"hash/fnv"
+	"path"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// migrationFiles are the schema's migrations: numbered, forward-only, and
+// written for the default table name, so that a DBA can read them and
+// apply them by hand with psql.
+//
+//go:embed migrations/*.sql
+var migrationFiles embed.FS
+
+// defaultTable is the table name that the migration files spell out.
+const defaultTable = "idempotency_keys"
+
+// migrationsTable records which migrations each table has had. It lives
+// in the table's schema, where the database user is known to be allowed to
+// create tables.
+const migrationsTable = "idempotency_schema_migrations"
+
+// migrationLockKey serialises migrations across every instance and every
+// table of a cluster: starting several instances together must not run a
+// migration twice, and migrations are rare enough that sharing one lock
+// costs nothing.
+var migrationLockKey = advisoryKey("idempotency migrations")
+
+// TxBeginner opens a transaction. *pgxpool.Pool, *pgx.Conn and pgx.Tx
+// satisfy it.
+type TxBeginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Migrate applies to table the embedded migrations it has not had yet,
+// each in its own transaction under an advisory lock, and returns how many
+// it applied. table is a name as the store's "table" option takes it.
+func Migrate(ctx context.Context, db TxBeginner, table string) (applied int, err error) {
+	t, err := parseTableName(table)
+	if err != nil {
+		return 0, fmt.Errorf("migrating: %w", err)
+	}
+	migrations, err := loadMigrations()
+	if err != nil {
+		return 0, err
+	}
+	for _, m := range migrations {
+		ok, err := applyMigration(ctx, db, t, m)
+		if err != nil {
+			return applied, fmt.Errorf("migrating %s to version %d (%s): %w", t, m.version, m.name, err)
+		}
+		if ok {
+			applied++
+		}
+	}
+	return applied, nil
+}
+
+type migration struct {
+	version int
+	name    string
+	sql     string
+}
+
+var migrationName = regexp.MustCompile(`^([0-9]{4})_[a-z0-9_]+\.sql$`)
+
+// loadMigrations returns the embedded migrations in version order.
+func loadMigrations() ([]migration, error) {
+	entries, err := migrationFiles.ReadDir("migrations")
+	if err != nil {
+		return nil, err
+	}
+	var migrations []migration
+	for _, e := range entries {
+		m := migrationName.FindStringSubmatch(e.Name())
+		if m == nil {
+			return nil, fmt.Errorf("migration file %s is not named NNNN_name.sql", e.Name())
+		}
+		version, _ := strconv.Atoi(m[1]) // four digits
+		sql, err := migrationFiles.ReadFile(path.Join("migrations", e.Name()))
+		if err != nil {
+			return nil, err
+		}
+		migrations = append(migrations, migration{version: version, name: e.Name(), sql: string(sql)})
+	}
+	slices.SortFunc(migrations, func(a, b migration) int { return a.version - b.version })
+	for i, m := range migrations {
+		if m.version != i+1 {
+			return nil, fmt.Errorf("migration %s: expected version %d", m.name, i+1)
+		}
+	}
+	return migrations, nil
+}
+
+// applyMigration applies m to t unless the bookkeeping says it was, and
+// reports whether it did.
+func applyMigration(ctx context.Context, db TxBeginner, t tableName, m migration) (bool, error) {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer tx.Rollback(ctx) // a no-op once committed
+
+	// The lock comes first: CREATE TABLE IF NOT EXISTS is not safe
+	// against a concurrent identical statement.
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
+		return false, err
+	}
+	bookkeeping := t.sibling(migrationsTable)
+	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+bookkeeping+` (
+	table_name text NOT NULL,
+	version integer NOT NULL,
+	name text NOT NULL,
+	applied_at timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (table_name, version)
+)`); err != nil {
+		return false, err
+	}
+	var done bool
+	if err := tx.QueryRow(ctx,
+		`SELECT EXISTS (SELECT FROM `+bookkeeping+` WHERE table_name = $1 AND version = $2)`,
+		t.String(), m.version,
+	).Scan(&done); err != nil {
+		return false, err
+	}
+	if done {
+		return false, tx.Commit(ctx)
+	}
+	// Without arguments, pgx sends the file as one simple query, which
+	// may hold several statements.
+	if _, err := tx.Exec(ctx, t.render(m.sql)); err != nil {
+		return false, err
+	}
+	if _, err := tx.Exec(ctx,
+		`INSERT INTO `+bookkeeping+` (table_name, version, name) VALUES ($1, $2, $3)`,
+		t.String(), m.version, m.name,
+	); err != nil {
+		return false, err
+	}
+	return true, tx.Commit(ctx)
+}
+
+// tableName is a validated table name, folded to lower case as Postgres
+// folds an unquoted identifier, so that the name in the config means the
+// table that a DBA's psql session means.
+type tableName struct {
+	schema string // empty: the first schema of the search_path
+	name   string
+}
+
+var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
+
+// parseTableName accepts "table" or "schema.table"; anything else could
+// carry SQL into the statements, which cannot take the name as a parameter.
+func parseTableName(s string) (tableName, error) {
+	parts := strings.Split(s, ".")
+	if len(parts) > 2 {
+		return tableName{}, fmt.Errorf("table %q: at most one schema qualifier is allowed", s)
+	}
+	for _, p := range parts {
+		if !identifier.MatchString(p) {
+			return tableName{}, fmt.Errorf("table %q: each part must be 1 to 63 letters, digits or underscores, not starting with a digit", s)
+		}
+	}
+	t := tableName{name: strings.ToLower(parts[len(parts)-1])}
+	if len(parts) == 2 {
+		t.schema = strings.ToLower(parts[0])
+	}
+	return t, nil
+}
+
+func (t tableName) String() string {
+	if t.schema == "" {
+		return t.name
+	}
+	return t.schema + "." + t.name
+}
+
+// quoted returns the name ready for SQL text. Quoting is what keeps a
+// name such as "user" or "order", valid but reserved, from breaking the
+// statements.
+func (t tableName) quoted() string {
+	return t.sibling(t.name)
+}
+
+// sibling returns the quoted name of the table name in t's schema.
+func (t tableName) sibling(name string) string {
+	if t.schema == "" {
+		return pgx.Identifier{name}.Sanitize()
+	}
+	return pgx.Identifier{t.schema, name}.Sanitize()
+}
+
+// defaultTableIdents matches, in a migration, the default table name and
+// the names derived from it (idempotency_keys_expires_at_idx).
+var defaultTableIdents = regexp.MustCompile(`\b` + defaultTable + `(\w*)\b`)
+
+// render rewrites a migration written for the default table for t. A
+// derived name keeps its suffix: an index is named after its table, and
+// index names must be unique in a schema.
+func (t tableName) render(sql string) string {
+	return defaultTableIdents.ReplaceAllStringFunc(sql, func(ident string) string {
+		suffix := strings.TrimPrefix(ident, defaultTable)
+		if suffix == "" {
+			return t.quoted()
+		}
+		return pgx.Identifier{derivedName(t.name, suffix)}.Sanitize()
+	})
+}
+
+// derivedName appends suffix to name within Postgres's 63-byte limit.
+// Postgres would truncate a longer name, and two long table names sharing
+// a prefix would then collide on their index names; a hash of the full
+// name keeps them apart.
+func derivedName(name, suffix string) string {
+	const maxIdent = 63
+	if len(name)+len(suffix) <= maxIdent {
+		return name + suffix
+	}
+	h := fnv.New32a()
+	h.Write([]byte(name))
+	tag := fmt.Sprintf("_%08x", h.Sum32())
+	return name[:maxIdent-len(suffix)-len(tag)] + tag + suffix
+}
+
+// pruneLockKey is the advisory lock that one pruner of t holds.
+func (t tableName) pruneLockKey() int64 {
+	return advisoryKey("idempotency prune " + t.String())
+}
+
+// advisoryKey maps a name to a key for pg_advisory_lock. The name, not a
+// bare number, makes a collision with another application's locks
+// unlikely.
+func advisoryKey(name string) int64 {
+	h := fnv.New64a()
+	h.Write([]byte(name))
+	return int64(h.Sum64())
+}

@@ -1,0 +1,629 @@
+// Package idempotency is a Caddy HTTP handler that makes retries of
+// non-idempotent requests safe: the Idempotency-Key pattern that Stripe
+// made standard, done once, at the edge, in front of any upstream.
+//
+// A client sends a unique Idempotency-Key with each request that must not
+// run twice (a payment, an order). The handler remembers (credential, key)
+// and the exact response; a retry with the same key gets that response
+// replayed byte for byte instead of a second execution. Records live in a
+// store: Postgres for production (shared by any number of Caddy
+// instances), or memory for development.
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+func init() {
+	caddy.RegisterModule(Handler{})
+}
+
+// Defaults, as the contract states them.
+const (
+	defaultKeyHeader        = "Idempotency-Key"
+	defaultCredentialHeader = "Authorization"
+	defaultRetention        = 24 * time.Hour
+	defaultLockTimeout      = 30 * time.Second
+	defaultRetryAfter       = 2 * time.Second
+	defaultMaxBody          = 1 << 20
+	defaultPruneInterval    = time.Hour
+	defaultExecutionTimeout = 5 * time.Minute
+	pruneBatchSize          = 5000
+	// storeTimeout bounds one store round trip: a store that does not
+	// answer in time is treated as unreachable (503), rather than
+	// holding the client until its own timeout.
+	storeTimeout = 5 * time.Second
+)
+
+// alwaysExcluded are the response headers never stored nor replayed:
+// cookies and credentials belong to the first response only, and
+// hop-by-hop headers describe the first connection, not the response.
+var alwaysExcluded = []string{
+	"Set-Cookie", "Authorization", "Proxy-Authorization",
+	"Connection", "Keep-Alive", "Transfer-Encoding", "Te", "Trailer",
+	"Upgrade", "Proxy-Authenticate",
+}
+
+// Handler makes retries of non-idempotent requests safe. Requests whose
+// method is in Methods must carry an idempotency key; the first request
+// with a key executes and its response is stored, and later requests with
+// the same key and credential get that response replayed.
+type Handler struct {
+	// The store that keeps records. Default: memory (one process, not
+	// durable). Use postgres in production.
+	StoreRaw json.RawMessage `json:"store,omitempty" caddy:"namespace=http.handlers.idempotency.stores inline_key=backend"`
+
+	// The request header that carries the key. Default: Idempotency-Key.
+	KeyHeader string `json:"key_header,omitempty"`
+
+	// The request header that identifies the caller; records are scoped
+	// by its value, hashed. Default: Authorization.
+	CredentialHeader string `json:"credential_header,omitempty"`
+
+	// A placeholder that identifies the caller instead of a header, such
+	// as {http.auth.user.id}. Takes precedence over CredentialHeader.
+	Credential string `json:"credential,omitempty"`
+
+	// The methods that are protected; others pass through untouched.
+	// Default: POST, PATCH.
+	Methods []string `json:"methods,omitempty"`
+
+	// If true, a protected request without a key passes through
+	// unprotected instead of getting 400.
+	Optional bool `json:"optional,omitempty"`
+
+	// How long a record is kept after its creation. Default: 24h.
+	Retention caddy.Duration `json:"retention,omitempty"`
+
+	// How old the lock of an in-progress record must be before another
+	// request may take it over (its owner is presumed dead). The owner
+	// renews its lock while it runs. Default: 30s.
+	LockTimeout caddy.Duration `json:"lock_timeout,omitempty"`
+
+	// The Retry-After sent with a 409 for a request still in progress,
+	// and with a 503 when the store is unreachable. Default: 2s.
+	RetryAfter caddy.Duration `json:"retry_after,omitempty"`
+
+	// The largest request body accepted, in bytes; larger gets 413.
+	// Default: 1 MiB.
+	MaxRequestBody int64 `json:"max_request_body,omitempty"`
+
+	// The largest response body stored, in bytes. A larger response
+	// still reaches the first caller whole, but is not replayable.
+	// Default: 1 MiB.
+	MaxResponseBody int64 `json:"max_response_body,omitempty"`
+
+	// Response headers not stored nor replayed, in addition to
+	// Set-Cookie, Authorization, Proxy-Authorization and hop-by-hop
+	// headers.
+	ExcludeHeaders []string `json:"exclude_headers,omitempty"`
+
+	// How often this instance deletes expired records. 0 disables
+	// pruning by this instance. Default: 1h.
+	PruneInterval *caddy.Duration `json:"prune_interval,omitempty"`
+
+	// How long a protected request keeps running after its client
+	// disconnected, so that the client's retry finds a stored response.
+	// Default: 5m.
+	ExecutionTimeout caddy.Duration `json:"execution_timeout,omitempty"`
+
+	store     Store
+	methods   map[string]struct{}
+	excluded  map[string]struct{}
+	logger    *zap.Logger
+	retrySecs int
+}
+
+// CaddyModule returns the Caddy module information.
+func (Handler) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.idempotency",
+		New: func() caddy.Module { return new(Handler) },
+	}
+}
+
+// Provision sets defaults, loads the store and starts pruning.
+func (h *Handler) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+
+	if h.KeyHeader == "" {
+		h.KeyHeader = defaultKeyHeader
+	}
+	if h.CredentialHeader == "" {
+		h.CredentialHeader = defaultCredentialHeader
+	}
+	if len(h.Methods) == 0 {
+		h.Methods = []string{http.MethodPost, http.MethodPatch}
+	}
+	if h.Retention == 0 {
+		h.Retention = caddy.Duration(defaultRetention)
+	}
+	if h.LockTimeout == 0 {
+		h.LockTimeout = caddy.Duration(defaultLockTimeout)
+	}
+	if h.RetryAfter == 0 {
+		h.RetryAfter = caddy.Duration(defaultRetryAfter)
+	}
+	if h.MaxRequestBody == 0 {
+		h.MaxRequestBody = defaultMaxBody
+	}
+	if h.MaxResponseBody == 0 {
+		h.MaxResponseBody = defaultMaxBody
+	}
+	if h.PruneInterval == nil {
+		d := caddy.Duration(defaultPruneInterval)
+		h.PruneInterval = &d
+	}
+	if h.ExecutionTimeout == 0 {
+		h.ExecutionTimeout = caddy.Duration(defaultExecutionTimeout)
+	}
+	h.retrySecs = int(math.Ceil(time.Duration(h.RetryAfter).Seconds()))
+
+	h.methods = make(map[string]struct{}, len(h.Methods))
+	for _, m := range h.Methods {
+		h.methods[strings.ToUpper(m)] = struct{}{}
+	}
+	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
+	for _, name := range append(append([]string{}, alwaysExcluded...), h.ExcludeHeaders...) {
+		h.excluded[http.CanonicalHeaderKey(name)] = struct{}{}
+	}
+
+	if h.StoreRaw == nil {
+		h.StoreRaw = caddyconfig.JSONModuleObject(MemoryStore{}, "backend", "memory", nil)
+	}
+	mod, err := ctx.LoadModule(h, "StoreRaw")
+	if err != nil {
+		return fmt.Errorf("loading idempotency store: %v", err)
+	}
+	h.store = mod.(Store)
+
+	if *h.PruneInterval > 0 {
+		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))
+	}
+	return nil
+}
+
+// Validate rejects settings that cannot work.
+func (h *Handler) Validate() error {
+	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
+		return fmt.Errorf("max_request_body and max_response_body must be positive")
+	}
+	if h.Retention < 0 || h.LockTimeout < 0 || h.RetryAfter < 0 || h.ExecutionTimeout < 0 || *h.PruneInterval < 0 {
+		return fmt.Errorf("durations must not be negative")
+	}
+	if time.Duration(h.Retention) <= time.Duration(h.LockTimeout) {
+		return fmt.Errorf("retention (%s) must be longer than lock_timeout (%s)",
+			time.Duration(h.Retention), time.Duration(h.LockTimeout))
+	}
+	for _, m := range h.Methods {
+		if !validToken(m) {
+			return fmt.Errorf("invalid method %q", m)
+		}
+	}
+	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
+		if !validToken(name) {
+			return fmt.Errorf("invalid header name %q", name)
+		}
+	}
+	return nil
+}
+
+// validToken reports whether s is an RFC 9110 token (a method or a
+// header field name).
+func validToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// ServeHTTP implements the request path of the contract, step by step.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if _, protected := h.methods[r.Method]; !protected || isUpgrade(r) {
+		// Upgrades (WebSocket) hijack the connection past any recorder,
+		// so there is no response to store: pass them through.
+		return next.ServeHTTP(w, r)
+	}
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+
+	// 1. Key.
+	rawKey := r.Header.Get(h.KeyHeader)
+	if rawKey == "" && len(r.Header.Values(h.KeyHeader)) == 0 {
+		if h.Optional {
+			return next.ServeHTTP(w, r)
+		}
+		return h.reject(w, repl, "", probKeyMissing)
+	}
+	key, err := parseKey(rawKey)
+	if err != nil {
+		return h.reject(w, repl, "", probKeyMalformed.withDetail(err.Error()))
+	}
+	repl.Set("http.idempotency.key", key)
+
+	// 2. Credential, hashed at once: the raw value goes no further.
+	var credential string
+	if h.Credential != "" {
+		credential = repl.ReplaceAll(h.Credential, "")
+	} else {
+		credential = r.Header.Get(h.CredentialHeader)
+	}
+	if credential == "" {
+		return h.reject(w, repl, key, probCredentialMissing)
+	}
+	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
+	credID := hex.EncodeToString(rk.CredentialHash[:6])
+
+	// 3. Body, read whole (bounded) and handed on intact.
+	body, prob := h.readBody(r)
+	if prob != nil {
+		return h.reject(w, repl, key, *prob)
+	}
+
+	// 4. Fingerprint.
+	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+
+	// 5. Acquire, in one round trip.
+	token := newLockToken()
+	acq, err := h.acquire(r.Context(), AcquireRequest{
+		Key:         rk,
+		Token:       token,
+		Fingerprint: fp,
+		Method:      r.Method,
+		Path:        r.URL.Path,
+		LockTimeout: time.Duration(h.LockTimeout),
+		Retention:   time.Duration(h.Retention),
+	})
+	if err != nil {
+		h.storeError("acquire", key, credID, r, err)
+		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
+	}
+
+	// 6. An existing record.
+	if acq.Outcome == OutcomeExisting {
+		return h.existing(w, r, repl, key, credID, fp, acq.Record)
+	}
+	if acq.Outcome == OutcomeTakenOver {
+		h.logger.Warn("idempotency.takeover",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Duration("lock_timeout", time.Duration(h.LockTimeout)))
+	}
+
+	// 7–9. Execute, then complete or release.
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.TransferEncoding = nil
+	return h.execute(w, r, repl, next, rk, token, key, credID)
+}
+
+// readBody reads the request body up to MaxRequestBody. The problem it
+// returns, if any, is the client's error: nothing has been stored yet.
+func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
+	tooLarge := probBodyTooLarge.withDetail(fmt.Sprintf(
+		"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+	if r.ContentLength > h.MaxRequestBody {
+		return nil, &tooLarge
+	}
+	if r.Body == nil || r.Body == http.NoBody {
+		return []byte{}, nil
+	}
+	size := int64(512)
+	if r.ContentLength >= 0 {
+		size = r.ContentLength + 1 // +1 to see EOF without growing
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, size))
+	_, err := buf.ReadFrom(io.LimitReader(r.Body, h.MaxRequestBody+1))
+	if err != nil {
+		p := probBodyUnreadable
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			p.Status = http.StatusRequestTimeout
+		}
+		return nil, &p
+	}
+	if int64(buf.Len()) > h.MaxRequestBody {
+		return nil, &tooLarge
+	}
+	return buf.Bytes(), nil
+}
+
+// existing answers a request whose key already has a live record that
+// this request does not own.
+func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, key, credID string, fp [32]byte, rec *Record) error {
+	fields := func(extra ...zap.Field) []zap.Field {
+		return append([]zap.Field{
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		}, extra...)
+	}
+	if rec.Fingerprint != fp {
+		h.logger.Info("idempotency.mismatch", fields(
+			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))...)
+		return h.finish(w, repl, resultMismatch, probKeyReused, 0)
+	}
+	if rec.Status != StatusCompleted || rec.Response == nil {
+		h.logger.Info("idempotency.in_progress", fields(
+			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds()))...)
+		return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
+	}
+	resp := rec.Response
+	if !resp.Replayable {
+		h.logger.Info("idempotency.not_replayable", fields(
+			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
+		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
+	}
+	h.logger.Info("idempotency.replay", fields(
+		zap.Int("original_status", resp.Status),
+		zap.Float64("age_seconds", time.Since(rec.CreatedAt).Seconds()))...)
+	repl.Set("http.idempotency.result", resultReplayed)
+
+	// The stored headers replace whatever handlers before us set (a
+	// `header` directive, Server): those were already in the map when
+	// the original response was recorded, unless the next handler
+	// removed them, as reverse_proxy does with Server. Assign, never
+	// Add, or values would be doubled.
+	hdr := w.Header()
+	clear(hdr)
+	for name, values := range resp.Header {
+		hdr[name] = append([]string(nil), values...)
+	}
+	hdr.Set("Idempotent-Replay", "true")
+	hdr.Set("Idempotent-Replayed", "true")
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
+	return nil
+}
+
+// execute runs the next handler for a request that owns its key, and
+// stores its response, or releases the key if nothing can have run.
+func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string) error {
+	// The protected work must not be cancelled by the client going away:
+	// that is exactly when a retry will come, and it must find a stored
+	// response, not a half-done request. The work is bounded instead by
+	// ExecutionTimeout, counted from the disconnect.
+	execCtx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	defer cancel()
+	stopWatch := context.AfterFunc(r.Context(), func() {
+		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-execCtx.Done():
+		}
+	})
+	defer stopWatch()
+
+	repl.Set("http.idempotency.result", resultExecuted)
+	stopRenew := h.keepLock(rk, token, key, credID)
+	rec := newRecorder(w, h.MaxResponseBody)
+	err := next.ServeHTTP(rec, r.WithContext(execCtx))
+	stopRenew()
+
+	if err != nil && !rec.wroteHeader {
+		if execCtx.Err() == nil && nothingExecuted(err) {
+			h.release(rk, token, key, credID, r, err)
+			repl.Set("http.idempotency.result", resultReleased)
+			return err
+		}
+		// The upstream may have acted on the request: storing this
+		// answer is what keeps a retry from running it a second time.
+		p := probOutcomeUnknown
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) && he.StatusCode >= 500 {
+			p.Status = he.StatusCode
+		}
+		h.logger.Error("idempotency.outcome_unknown",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
+		p.write(rec, 0)
+	}
+
+	h.complete(rk, token, key, credID, r, rec.response(h.excluded))
+	return nil
+}
+
+// nothingExecuted reports whether err proves that the request never
+// reached an upstream, so releasing its key cannot cause a second
+// execution.
+func nothingExecuted(err error) bool {
+	var dialErr reverseproxy.DialError
+	if errors.As(err, &dialErr) {
+		return true
+	}
+	var he caddyhttp.HandlerError
+	if errors.As(err, &he) {
+		// reverse_proxy's "no upstreams available" is a 503 without a
+		// dial error; a 4xx is a handler refusing the request (a
+		// static error, request_body's limit). 499 is reverse_proxy's
+		// "canceled" after the request may have been sent.
+		if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
+			return true
+		}
+		return he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
+	}
+	return false
+}
+
+// keepLock renews the lock while the request runs, so that a request
+// slower than LockTimeout is not taken over by a retry. Renewal happens
+// at a third of the timeout, leaving room for two failed attempts.
+func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string) (stop func()) {
+	done := make(chan struct{})
+	interval := time.Duration(h.LockTimeout) / 3
+	go func() {
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+				err := h.store.Renew(ctx, rk, token)
+				cancel()
+				if errors.Is(err, ErrLockLost) {
+					h.logger.Error("idempotency.lock_lost",
+						zap.String("key", key), zap.String("credential_id", credID),
+						zap.String("during", "renew"))
+					return
+				}
+				if err != nil {
+					h.logger.Error("idempotency.store_error",
+						zap.String("operation", "renew"), zap.String("key", key),
+						zap.String("credential_id", credID), zap.Error(err))
+				}
+			}
+		}
+	}()
+	return func() { close(done) }
+}
+
+// complete stores the response. The client already has it; a failure
+// here leaves the record in progress until its lock expires, and then a
+// retry would run again, so it is tried a few times before giving up.
+func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response) {
+	var err error
+	for attempt, backoff := 0, 100*time.Millisecond; attempt < 3; attempt, backoff = attempt+1, backoff*4 {
+		if attempt > 0 {
+			time.Sleep(backoff)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+		err = h.store.Complete(ctx, rk, token, resp)
+		cancel()
+		if err == nil || errors.Is(err, ErrLockLost) {
+			break
+		}
+	}
+	switch {
+	case errors.Is(err, ErrLockLost):
+		h.logger.Error("idempotency.lock_lost",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("during", "complete"))
+	case err != nil:
+		h.storeError("complete", key, credID, r, err)
+	}
+}
+
+// release deletes the record of a request that never executed.
+func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) {
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	defer cancel()
+	if err := h.store.Release(ctx, rk, token); err != nil && !errors.Is(err, ErrLockLost) {
+		h.storeError("release", key, credID, r, err)
+		return
+	}
+	h.logger.Info("idempotency.release",
+		zap.String("key", key), zap.String("credential_id", credID),
+		zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		zap.NamedError("cause", cause))
+}
+
+func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	return h.store.Acquire(ctx, req)
+}
+
+func (h *Handler) storeError(op, key, credID string, r *http.Request, err error) {
+	h.logger.Error("idempotency.store_error",
+		zap.String("operation", op), zap.String("key", key),
+		zap.String("credential_id", credID),
+		zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
+}
+
+// Results, as {http.idempotency.result} shows them.
+const (
+	resultExecuted   = "executed"
+	resultReplayed   = "replayed"
+	resultMismatch   = "mismatch"
+	resultInProgress = "in_progress"
+	resultRejected   = "rejected"
+	resultReleased   = "released"
+	resultStoreError = "store_error"
+)
+
+// reject answers a request that is the client's error (steps 1–3).
+func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string, p problem) error {
+	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.rejected"); c != nil {
+		c.Write(zap.String("key", key), zap.Int("status", p.Status), zap.String("title", p.Title))
+	}
+	return h.finish(w, repl, resultRejected, p, 0)
+}
+
+func (h *Handler) finish(w http.ResponseWriter, repl *caddy.Replacer, result string, p problem, retryAfter int) error {
+	repl.Set("http.idempotency.result", result)
+	p.write(w, retryAfter)
+	return nil
+}
+
+// pruneLoop deletes expired records every interval until the config that
+// started it is unloaded.
+func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			n, err := h.store.Prune(ctx, pruneBatchSize)
+			if err != nil {
+				if ctx.Err() == nil {
+					h.logger.Error("idempotency.store_error", zap.String("operation", "prune"), zap.Error(err))
+				}
+				continue
+			}
+			if n > 0 {
+				h.logger.Info("idempotency.prune", zap.Int64("rows", n))
+			}
+		}
+	}
+}
+
+func isUpgrade(r *http.Request) bool {
+	if r.Header.Get("Upgrade") == "" {
+		return false
+	}
+	for _, v := range r.Header.Values("Connection") {
+		for _, tok := range strings.Split(v, ",") {
+			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.Validator             = (*Handler)(nil)
+	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
+)

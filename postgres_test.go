@@ -1,0 +1,874 @@
+package idempotency
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"reflect"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// newTestPostgresStore provisions a store on table as Caddy would, and
+// cleans it up when the test ends.
+func newTestPostgresStore(t *testing.T, table string, maxConns int32) *PostgresStore {
+	t.Helper()
+	s := &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := s.Provision(ctx); err != nil {
+		t.Fatalf("provisioning: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Cleanup(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	if err := s.Validate(); err != nil {
+		t.Fatalf("validating: %v", err)
+	}
+	return s
+}
+
+// testAcquireRequest describes a POST of body under key by credential,
+// with a token of its own.
+func testAcquireRequest(credential, key, body string) AcquireRequest {
+	return AcquireRequest{
+		Key:         RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key},
+		Token:       newLockToken(),
+		Fingerprint: sha256.Sum256([]byte("POST /v1/charges " + body)),
+		Method:      http.MethodPost,
+		Path:        "/v1/charges",
+		LockTimeout: 30 * time.Second,
+		Retention:   24 * time.Hour,
+	}
+}
+
+// retryPG is the same request again, as another attempt that owns nothing.
+func retryPG(req AcquireRequest) AcquireRequest {
+	req.Token = newLockToken()
+	return req
+}
+
+func mustAcquirePG(t *testing.T, s *PostgresStore, req AcquireRequest, want Outcome) AcquireResult {
+	t.Helper()
+	res, err := s.Acquire(context.Background(), req)
+	if err != nil {
+		t.Fatalf("acquire: %v", err)
+	}
+	if res.Outcome != want {
+		t.Fatalf("acquire: outcome %d, want %d (record %+v)", res.Outcome, want, res.Record)
+	}
+	if (res.Record != nil) != (want == OutcomeExisting) {
+		t.Fatalf("acquire: outcome %d with record %+v", res.Outcome, res.Record)
+	}
+	return res
+}
+
+func mustExec(t *testing.T, s *PostgresStore, sql string, args ...any) {
+	t.Helper()
+	if _, err := s.pool.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	req := testAcquireRequest("cred", "key-00000001", `{"amount":100}`)
+
+	before := time.Now()
+	mustAcquirePG(t, s, req, OutcomeCreated)
+
+	res := mustAcquirePG(t, s, retryPG(req), OutcomeExisting)
+	rec := res.Record
+	if rec.Status != StatusInProgress || rec.Fingerprint != req.Fingerprint ||
+		rec.Method != req.Method || rec.Path != req.Path || rec.Response != nil {
+		t.Errorf("record = %+v", rec)
+	}
+	for name, ts := range map[string]time.Time{"created_at": rec.CreatedAt, "locked_at": rec.LockedAt} {
+		if ts.Location() != time.UTC || ts.Sub(before).Abs() > 5*time.Second {
+			t.Errorf("%s = %v, want about %v in UTC", name, ts, before)
+		}
+	}
+	if got := rec.ExpiresAt.Sub(rec.CreatedAt); got != req.Retention {
+		t.Errorf("expires_at - created_at = %v, want %v", got, req.Retention)
+	}
+
+	// Another credential's identical key is another record.
+	other := retryPG(req)
+	other.Key.CredentialHash = sha256.Sum256([]byte("tenant B"))
+	mustAcquirePG(t, s, other, OutcomeCreated)
+}
+
+func TestPostgresCompleteThenReplay(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	tests := []struct {
+		name string
+		resp Response
+		want Response
+	}{
+		{
+			name: "headers and body",
+			resp: Response{
+				Status: http.StatusCreated,
+				Header: http.Header{
+					"Content-Type": {"application/json"},
+					"Link":         {"</a>; rel=next", "</b>; rel=last"},
+					"X-Empty":      {""},
+				},
+				Body:       []byte("{\"id\":\"ch_1\"}\x00\xff binary-safe"),
+				Replayable: true,
+				BodySize:   27,
+			},
+		},
+		{
+			name: "empty body, no headers",
+			resp: Response{Status: http.StatusNoContent, Replayable: true},
+			want: Response{Status: http.StatusNoContent, Header: http.Header{}, Body: []byte{}, Replayable: true},
+		},
+		{
+			name: "body too large to keep",
+			resp: Response{
+				Status:     http.StatusOK,
+				Header:     http.Header{"Content-Type": {"text/csv"}},
+				Body:       []byte("partial bytes the store must not keep"),
+				Replayable: false,
+				BodySize:   5 << 20,
+			},
+			want: Response{
+				Status:   http.StatusOK,
+				Header:   http.Header{"Content-Type": {"text/csv"}},
+				BodySize: 5 << 20,
+			},
+		},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req := testAcquireRequest("cred", fmt.Sprintf("complete-%d", i), "body")
+			mustAcquirePG(t, s, req, OutcomeCreated)
+			if err := s.Complete(context.Background(), req.Key, req.Token, &tt.resp); err != nil {
+				t.Fatalf("complete: %v", err)
+			}
+			rec := mustAcquirePG(t, s, retryPG(req), OutcomeExisting).Record
+			if rec.Status != StatusCompleted || !rec.LockedAt.IsZero() {
+				t.Errorf("status %q, locked_at %v", rec.Status, rec.LockedAt)
+			}
+			want := tt.want
+			if want.Status == 0 {
+				want = tt.resp
+			}
+			if !reflect.DeepEqual(rec.Response, &want) {
+				t.Errorf("response =\n%#v\nwant\n%#v", rec.Response, &want)
+			}
+		})
+	}
+}
+
+func TestPostgresConcurrentAcquireHasOneWinner(t *testing.T) {
+	const callers = 40
+	s := newTestPostgresStore(t, freshTable(t), callers)
+	req := testAcquireRequest("cred", "race-0000001", "body")
+
+	outcomes := raceAcquire(t, s, req, callers)
+	if outcomes[OutcomeCreated] != 1 || outcomes[OutcomeExisting] != callers-1 {
+		t.Fatalf("outcomes = %v, want one created and %d existing", outcomes, callers-1)
+	}
+}
+
+// raceAcquire makes n callers acquire req at once and counts the outcomes.
+func raceAcquire(t *testing.T, s *PostgresStore, req AcquireRequest, n int) map[Outcome]int {
+	t.Helper()
+	// Open the connections first, so that the callers race on the row
+	// rather than on dialling.
+	warm := make([]func(), 0, n)
+	for range n {
+		c, err := s.pool.Acquire(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		warm = append(warm, c.Release)
+	}
+	for _, release := range warm {
+		release()
+	}
+
+	var (
+		mu       sync.Mutex
+		outcomes = make(map[Outcome]int)
+		start    = make(chan struct{})
+		wg       sync.WaitGroup
+	)
+	for range n {
+		wg.Go(func() {
+			<-start
+			res, err := s.Acquire(context.Background(), retryPG(req))
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				t.Errorf("acquire: %v", err)
+				return
+			}
+			outcomes[res.Outcome]++
+		})
+	}
+	close(start)
+	wg.Wait()
+	return outcomes
+}
+
+func TestPostgresStaleLockTakeover(t *testing.T) {
+	const callers = 30
+	s := newTestPostgresStore(t, freshTable(t), callers)
+	ctx := context.Background()
+	owner := testAcquireRequest("cred", "stale-000001", "body")
+	mustAcquirePG(t, s, owner, OutcomeCreated)
+	created := mustAcquirePG(t, s, retryPG(owner), OutcomeExisting).Record.CreatedAt
+
+	// The owner died an hour ago.
+	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour'")
+
+	t.Run("other request does not take over", func(t *testing.T) {
+		other := testAcquireRequest("cred", owner.Key.Key, "another body")
+		rec := mustAcquirePG(t, s, other, OutcomeExisting).Record
+		if rec.Fingerprint != owner.Fingerprint {
+			t.Errorf("the record's fingerprint changed")
+		}
+	})
+
+	outcomes := raceAcquire(t, s, owner, callers)
+	if outcomes[OutcomeTakenOver] != 1 || outcomes[OutcomeExisting] != callers-1 {
+		t.Fatalf("outcomes = %v, want one taken over and %d existing", outcomes, callers-1)
+	}
+
+	rec := mustAcquirePG(t, s, retryPG(owner), OutcomeExisting).Record
+	if !rec.CreatedAt.Equal(created) {
+		t.Errorf("created_at moved from %v to %v on takeover", created, rec.CreatedAt)
+	}
+	if age := time.Since(rec.LockedAt); age > 10*time.Second {
+		t.Errorf("lock is %v old after takeover", age)
+	}
+	if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 200, Replayable: true}); !errors.Is(err, ErrLockLost) {
+		t.Errorf("the dead owner's complete: %v, want ErrLockLost", err)
+	}
+}
+
+func TestPostgresRenewPreventsTakeover(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	ctx := context.Background()
+	owner := testAcquireRequest("cred", "renew-000001", "body")
+	owner.LockTimeout = 300 * time.Millisecond
+	mustAcquirePG(t, s, owner, OutcomeCreated)
+
+	// Four lock timeouts long: without the renewals, the retries would
+	// take over from the third one on.
+	for range 12 {
+		time.Sleep(100 * time.Millisecond)
+		if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
+			t.Fatalf("renew: %v", err)
+		}
+		mustAcquirePG(t, s, retryPG(owner), OutcomeExisting)
+	}
+
+	time.Sleep(2 * owner.LockTimeout)
+	mustAcquirePG(t, s, retryPG(owner), OutcomeTakenOver)
+	if err := s.Renew(ctx, owner.Key, owner.Token); !errors.Is(err, ErrLockLost) {
+		t.Errorf("renew after takeover: %v, want ErrLockLost", err)
+	}
+}
+
+func TestPostgresLockLost(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	ctx := context.Background()
+	resp := &Response{Status: http.StatusOK, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}
+	ops := map[string]func(RecordKey, LockToken) error{
+		"complete": func(k RecordKey, tok LockToken) error { return s.Complete(ctx, k, tok, resp) },
+		"release":  func(k RecordKey, tok LockToken) error { return s.Release(ctx, k, tok) },
+		"renew":    func(k RecordKey, tok LockToken) error { return s.Renew(ctx, k, tok) },
+	}
+	wantLost := func(t *testing.T, k RecordKey, tok LockToken) {
+		t.Helper()
+		for name, op := range ops {
+			if err := op(k, tok); !errors.Is(err, ErrLockLost) {
+				t.Errorf("%s: %v, want ErrLockLost", name, err)
+			}
+		}
+	}
+
+	req := testAcquireRequest("cred", "lost-0000001", "body")
+	mustAcquirePG(t, s, req, OutcomeCreated)
+
+	t.Run("wrong token", func(t *testing.T) {
+		wantLost(t, req.Key, newLockToken())
+		mustAcquirePG(t, s, retryPG(req), OutcomeExisting) // untouched
+	})
+	t.Run("no such record", func(t *testing.T) {
+		wantLost(t, testAcquireRequest("cred", "never-acquired", "").Key, req.Token)
+	})
+	t.Run("after release", func(t *testing.T) {
+		r := testAcquireRequest("cred", "lost-0000002", "body")
+		mustAcquirePG(t, s, r, OutcomeCreated)
+		if err := s.Release(ctx, r.Key, r.Token); err != nil {
+			t.Fatalf("release: %v", err)
+		}
+		wantLost(t, r.Key, r.Token)
+		mustAcquirePG(t, s, retryPG(r), OutcomeCreated)
+	})
+	t.Run("after complete", func(t *testing.T) {
+		if err := s.Complete(ctx, req.Key, req.Token, resp); err != nil {
+			t.Fatalf("complete: %v", err)
+		}
+		wantLost(t, req.Key, req.Token)
+		rec := mustAcquirePG(t, s, retryPG(req), OutcomeExisting).Record
+		if rec.Status != StatusCompleted {
+			t.Errorf("status %q after a late release or renew", rec.Status)
+		}
+	})
+}
+
+func TestPostgresExpiredRecordIsCreatedAnew(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	ctx := context.Background()
+
+	for _, completed := range []bool{true, false} {
+		t.Run(fmt.Sprintf("completed=%v", completed), func(t *testing.T) {
+			old := testAcquireRequest("cred", fmt.Sprintf("expired-%v", completed), "old body")
+			mustAcquirePG(t, s, old, OutcomeCreated)
+			if completed {
+				if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 201, Replayable: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			oldRec := mustAcquirePG(t, s, retryPG(old), OutcomeExisting).Record
+			mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() - interval '1 second' WHERE key = $1", old.Key.Key)
+
+			// Even with another body: an expired key is a free key.
+			fresh := testAcquireRequest("cred", old.Key.Key, "new body")
+			mustAcquirePG(t, s, fresh, OutcomeCreated)
+			rec := mustAcquirePG(t, s, retryPG(fresh), OutcomeExisting).Record
+			if rec.Status != StatusInProgress || rec.Fingerprint != fresh.Fingerprint || rec.Response != nil {
+				t.Errorf("record = %+v", rec)
+			}
+			if !rec.CreatedAt.After(oldRec.CreatedAt) || !rec.ExpiresAt.After(time.Now()) {
+				t.Errorf("created_at %v (was %v), expires_at %v", rec.CreatedAt, oldRec.CreatedAt, rec.ExpiresAt)
+			}
+			if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 200, Replayable: true}); !errors.Is(err, ErrLockLost) {
+				t.Errorf("complete by the expired record's owner: %v, want ErrLockLost", err)
+			}
+		})
+	}
+}
+
+// fillForPrune stores expired and live records.
+func fillForPrune(t *testing.T, s *PostgresStore, expired, live int) {
+	t.Helper()
+	for i := range expired + live {
+		req := testAcquireRequest("cred", fmt.Sprintf("prune-%06d", i), "body")
+		if i < expired {
+			req.Retention = -time.Minute
+		}
+		mustAcquirePG(t, s, req, OutcomeCreated)
+	}
+}
+
+func countRows(t *testing.T, s *PostgresStore, where string) int {
+	t.Helper()
+	var n int
+	if err := s.pool.QueryRow(context.Background(), "SELECT count(*) FROM "+s.table.quoted()+" WHERE "+where).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func TestPrunePostgresDeletesExpiredInBatches(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	ctx := context.Background()
+	fillForPrune(t, s, 23, 4)
+
+	n, err := s.Prune(ctx, 10) // 10, 10, 3
+	if err != nil || n != 23 {
+		t.Fatalf("prune = %d, %v; want 23", n, err)
+	}
+	if live, all := countRows(t, s, "expires_at > now()"), countRows(t, s, "true"); live != 4 || all != 4 {
+		t.Errorf("%d rows left, %d live; want the 4 live ones", all, live)
+	}
+	if n, err := s.Prune(ctx, 10); err != nil || n != 0 {
+		t.Errorf("second prune = %d, %v; want 0", n, err)
+	}
+	if _, err := s.Prune(ctx, 0); err == nil {
+		t.Errorf("prune with batch size 0: no error")
+	}
+}
+
+func TestPrunePostgresOneAtATime(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	ctx := context.Background()
+	fillForPrune(t, s, 12, 0)
+	lockKey := s.table.pruneLockKey()
+
+	// Another instance is pruning.
+	other, err := pgx.Connect(ctx, testDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close(ctx)
+	var locked bool
+	if err := other.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", lockKey).Scan(&locked); err != nil || !locked {
+		t.Fatalf("taking the prune lock: %v, %v", locked, err)
+	}
+	if n, err := s.Prune(ctx, 5); err != nil || n != 0 {
+		t.Fatalf("prune while another prunes = %d, %v; want 0", n, err)
+	}
+	if n := countRows(t, s, "true"); n != 12 {
+		t.Fatalf("%d rows left, want 12 untouched", n)
+	}
+	if _, err := other.Exec(ctx, "SELECT pg_advisory_unlock($1)", lockKey); err != nil {
+		t.Fatal(err)
+	}
+
+	// Concurrent pruners share the work without deleting a row twice.
+	const pruners = 4
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		total int64
+	)
+	for range pruners {
+		wg.Go(func() {
+			n, err := s.Prune(ctx, 5)
+			if err != nil {
+				t.Errorf("prune: %v", err)
+			}
+			mu.Lock()
+			total += n
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if total != 12 || countRows(t, s, "true") != 0 {
+		t.Errorf("pruners deleted %d rows in all, want 12", total)
+	}
+
+	// Every pruner let go of the lock.
+	if err := other.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", lockKey).Scan(&locked); err != nil || !locked {
+		t.Errorf("the prune lock is still held after pruning: %v, %v", locked, err)
+	}
+}
+
+func TestPrunePostgresCancelledLetsGoOfLock(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	fillForPrune(t, s, 3, 0)
+	ctx := context.Background()
+
+	// A request holds a row, so the prune's DELETE waits until the
+	// instance shuts down.
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "SELECT FROM "+s.table.quoted()+" FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	shutdown, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := s.Prune(shutdown, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("prune cut short: %v, want context.DeadlineExceeded", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The lock is not left behind on a pooled connection: once the
+	// server is done with the abandoned statement, pruning resumes.
+	deadline := time.Now().Add(10 * time.Second)
+	for countRows(t, s, "true") > 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("pruning never resumed after a cancelled prune")
+		}
+		if _, err := s.Prune(ctx, 1); err != nil {
+			t.Fatalf("prune: %v", err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func TestMigratePostgresIdempotent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newTestPostgresStore(t, freshTable(t), 8).pool
+
+	t.Run("twice", func(t *testing.T) {
+		table := freshTable(t)
+		for i, want := range []int{1, 0} {
+			if n, err := Migrate(ctx, pool, table); err != nil || n != want {
+				t.Fatalf("migration %d: applied %d, %v; want %d", i+1, n, err, want)
+			}
+		}
+		assertMigrated(t, pool, table)
+	})
+
+	t.Run("concurrently", func(t *testing.T) {
+		table := freshTable(t)
+		var (
+			wg    sync.WaitGroup
+			mu    sync.Mutex
+			total int
+		)
+		for range 8 {
+			wg.Go(func() {
+				n, err := Migrate(ctx, pool, table)
+				if err != nil {
+					t.Errorf("migrate: %v", err)
+				}
+				mu.Lock()
+				total += n
+				mu.Unlock()
+			})
+		}
+		wg.Wait()
+		if total != 1 {
+			t.Errorf("applied %d migrations in all, want 1", total)
+		}
+		assertMigrated(t, pool, table)
+	})
+
+	t.Run("applied by hand", func(t *testing.T) {
+		// A DBA ran the file with psql; the runner finds the table there.
+		table := freshTable(t)
+		sql, err := migrationFiles.ReadFile("migrations/0001_create_idempotency_keys.sql")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, strings.ReplaceAll(string(sql), defaultTable, table)); err != nil {
+			t.Fatalf("applying the file by hand: %v", err)
+		}
+		if n, err := Migrate(ctx, pool, table); err != nil || n != 1 {
+			t.Fatalf("migrate after a manual apply: %d, %v; want the bookkeeping of 1", n, err)
+		}
+		assertMigrated(t, pool, table)
+	})
+}
+
+// assertMigrated checks the table, its index and the bookkeeping.
+func assertMigrated(t *testing.T, pool *pgxpool.Pool, table string) {
+	t.Helper()
+	tn, err := parseTableName(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var columns, indexes, versions int
+	err = pool.QueryRow(context.Background(), `SELECT
+	(SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped),
+	(SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1)),
+	(SELECT count(*) FROM `+tn.sibling(migrationsTable)+` WHERE table_name = $2)`,
+		tn.quoted(), tn.String()).Scan(&columns, &indexes, &versions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if columns != 15 || indexes != 2 || versions != 1 {
+		t.Errorf("%s has %d columns, %d indexes, %d versions recorded; want 15, 2 and 1", table, columns, indexes, versions)
+	}
+}
+
+func TestMigratePostgresSchemaAndLongNames(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	schema := freshTable(t) // a unique name, dropped with CASCADE below
+	mustExec(t, s, "CREATE SCHEMA "+schema)
+	t.Cleanup(func() { mustExec(t, s, "DROP SCHEMA "+schema+" CASCADE") })
+
+	// Two 63-character names sharing a 60-character prefix: truncating
+	// their index names would make them collide.
+	long := strings.Repeat("x", 60)
+	for _, table := range []string{
+		schema + ".Mixed_Case",
+		schema + "." + long + "aaa",
+		schema + "." + long + "bbb",
+	} {
+		t.Run(table, func(t *testing.T) {
+			if n, err := Migrate(ctx, s.pool, table); err != nil || n != 1 {
+				t.Fatalf("migrate: %d, %v", n, err)
+			}
+			assertMigrated(t, s.pool, table)
+
+			store := newTestPostgresStore(t, table, 8)
+			req := testAcquireRequest("cred", "schema-00001", "body")
+			mustAcquirePG(t, store, req, OutcomeCreated)
+			if err := store.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Replayable: true}); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	var n int
+	if err := s.pool.QueryRow(ctx, "SELECT count(*) FROM "+schema+".mixed_case").Scan(&n); err != nil || n != 1 {
+		t.Errorf("Mixed_Case is not the table mixed_case, as in SQL: %d rows, %v", n, err)
+	}
+}
+
+func TestPostgresInvalidTableNames(t *testing.T) {
+	t.Parallel()
+	dsn := testDSN(t)
+	for _, table := range []string{
+		"x; DROP TABLE y",
+		"a.b.c",
+		"1abc",
+		"a-b",
+		`"quoted"`,
+		"tab le",
+		".a",
+		"a.",
+		"a..b",
+		"tablé",
+		strings.Repeat("a", 64),
+	} {
+		t.Run(table, func(t *testing.T) {
+			if _, err := parseTableName(table); err == nil {
+				t.Errorf("parseTableName accepted it")
+			}
+			s := &PostgresStore{DSN: dsn, Table: table}
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			if err := s.Provision(ctx); err == nil || s.pool != nil {
+				t.Errorf("Provision accepted it (err %v)", err)
+			}
+			if _, err := Migrate(context.Background(), nil, table); err == nil {
+				t.Errorf("Migrate accepted it")
+			}
+			d := caddyfile.NewTestDispenser("postgres {\n\tdsn x\n\ttable `" + table + "`\n}")
+			if err := new(PostgresStore).UnmarshalCaddyfile(d); err == nil || !strings.Contains(err.Error(), "Testfile:3") {
+				t.Errorf("UnmarshalCaddyfile: %v, want an error at line 3", err)
+			}
+		})
+	}
+	for _, table := range []string{"idempotency_keys", "_x", "public.Keys", strings.Repeat("a", 63) + "." + strings.Repeat("b", 63)} {
+		if _, err := parseTableName(table); err != nil {
+			t.Errorf("parseTableName(%q): %v", table, err)
+		}
+	}
+}
+
+func TestPostgresNeverStoresRawCredential(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 8)
+	const credential = "Bearer sk_live_51HxTopSecretCredential"
+	req := testAcquireRequest(credential, "cred-check-1", `{"amount":100}`)
+	mustAcquirePG(t, s, req, OutcomeCreated)
+	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{
+		Status: 200, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"ok":true}`), Replayable: true, BodySize: 11,
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	var row string
+	if err := s.pool.QueryRow(context.Background(), "SELECT r::text FROM "+s.table.quoted()+" r").Scan(&row); err != nil {
+		t.Fatal(err)
+	}
+	hash := sha256.Sum256([]byte(credential))
+	if !strings.Contains(row, hex.EncodeToString(hash[:])) {
+		t.Fatalf("the row does not hold the credential's hash: %s", row)
+	}
+	for _, secret := range []string{credential, "sk_live_51HxTopSecretCredential", hex.EncodeToString([]byte("sk_live_51HxTopSecretCredential"))} {
+		if strings.Contains(strings.ToLower(row), strings.ToLower(secret)) {
+			t.Errorf("the row holds %q: %s", secret, row)
+		}
+	}
+}
+
+func TestPostgresProvisionSharesPool(t *testing.T) {
+	table := freshTable(t)
+	t.Setenv("IDEMPOTENCY_TEST_SECRET_DSN", testDSN(t))
+	ctx := context.Background()
+
+	provision := func() (*PostgresStore, func()) {
+		s := &PostgresStore{DSN: "{env.IDEMPOTENCY_TEST_SECRET_DSN}", Table: table, MaxConns: 3}
+		cctx, cancel := caddy.NewContext(caddy.Context{Context: ctx})
+		if err := s.Provision(cctx); err != nil {
+			t.Fatalf("provision: %v", err)
+		}
+		return s, cancel
+	}
+	// A reload: the new config starts before the old one stops, and the
+	// old config's context is cancelled.
+	old, cancelOld := provision()
+	current, cancelCurrent := provision()
+	defer cancelCurrent()
+	if old.pool != current.pool {
+		t.Fatal("two stores with the same dsn and max_conns opened two pools")
+	}
+	if refs, _ := postgresPools.References(current.poolKey); refs != 2 {
+		t.Errorf("%d references to the pool, want 2", refs)
+	}
+	cancelOld()
+	if err := old.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	mustAcquirePG(t, current, testAcquireRequest("cred", "reload-00001", ""), OutcomeCreated)
+
+	config, err := json.Marshal(current)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(config), testDSN(t)) {
+		t.Errorf("the config holds the resolved dsn: %s", config)
+	}
+
+	if err := current.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := postgresPools.References(current.poolKey); ok {
+		t.Errorf("the pool outlived its last store")
+	}
+}
+
+func TestPostgresUnreachable(t *testing.T) {
+	t.Parallel()
+	port, err := freePort()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsn := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", port)
+	off := false
+
+	for _, migrate := range []*bool{nil, &off} {
+		s := &PostgresStore{DSN: dsn, Table: "unreachable", Migrate: migrate}
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		err := s.Provision(ctx)
+		if migrate == nil {
+			// Migrating needs the database: Caddy refuses the config.
+			if err == nil {
+				t.Errorf("provision with migrate on: no error")
+			}
+		} else {
+			// Without migrations the pool dials lazily; requests fail
+			// closed until the database answers.
+			if err != nil {
+				t.Fatalf("provision with migrate off: %v", err)
+			}
+			_, err := s.Acquire(context.Background(), testAcquireRequest("cred", "unreachable", ""))
+			if err == nil || errors.Is(err, ErrLockLost) {
+				t.Errorf("acquire = %v, want a store error", err)
+			}
+		}
+		if err := s.Cleanup(); err != nil {
+			t.Error(err)
+		}
+		cancel()
+	}
+
+	s := &PostgresStore{DSN: "{env.IDEMPOTENCY_TEST_UNSET_VARIABLE}"}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := s.Provision(ctx); err == nil || !strings.Contains(err.Error(), "empty") {
+		t.Errorf("provision with an empty dsn: %v", err)
+	}
+}
+
+func TestPostgresUnmarshalCaddyfile(t *testing.T) {
+	off := false
+	tests := []struct {
+		input   string
+		want    PostgresStore
+		wantErr string // with the line, e.g. "Testfile:3"
+	}{
+		{
+			input: `postgres {
+				dsn {env.DATABASE_URL}
+			}`,
+			want: PostgresStore{DSN: "{env.DATABASE_URL}"},
+		},
+		{
+			input: `postgres {
+				dsn       "host=db user=caddy dbname=app"
+				table     billing.idempotency
+				max_conns 32
+				migrate   off
+			}`,
+			want: PostgresStore{DSN: "host=db user=caddy dbname=app", Table: "billing.idempotency", MaxConns: 32, Migrate: &off},
+		},
+		{
+			input: `postgres {
+				dsn     postgres://db/app
+				migrate on
+			}`,
+			want: PostgresStore{DSN: "postgres://db/app"},
+		},
+		{input: `postgres`, wantErr: "dsn is required, at Testfile:1"},
+		{input: `postgres extra {
+				dsn x
+			}`, wantErr: "Testfile:1"},
+		{input: `postgres {
+				dsn x
+				dsn y
+			}`, wantErr: "dsn specified more than once, at Testfile:3"},
+		{input: `postgres {
+				dsn x
+				tablename t
+			}`, wantErr: `unrecognized option "tablename", at Testfile:3`},
+		{input: `postgres {
+				dsn
+			}`, wantErr: "wrong argument count or unexpected line ending after 'dsn', at Testfile:2"},
+		{input: `postgres {
+				dsn x
+				table a b
+			}`, wantErr: "Testfile:3"},
+		{input: `postgres {
+				dsn x
+				max_conns lots
+			}`, wantErr: `max_conns must be a positive integer, not "lots", at Testfile:3`},
+		{input: `postgres {
+				dsn x
+				max_conns 0
+			}`, wantErr: "Testfile:3"},
+		{input: `postgres {
+				dsn x
+
+				max_conns 99999999999
+			}`, wantErr: "Testfile:4"},
+		{input: `postgres {
+				dsn x
+				migrate yes
+			}`, wantErr: `migrate must be on or off, not "yes", at Testfile:3`},
+		{input: `postgres {
+				dsn x
+				table x;DROP
+			}`, wantErr: "Testfile:3"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.input, func(t *testing.T) {
+			var got PostgresStore
+			err := got.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tt.input))
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error = %v, want one containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("got %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,104 @@
+package idempotency
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+)
+
+// problem is an RFC 9457 problem detail. Every response that this module
+// produces itself is one, so that clients can tell it from the upstream's
+// own errors and act on the detail.
+type problem struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Detail string `json:"detail"`
+}
+
+// problemTypeBase anchors problem types in the README's status code
+// table, where each case is explained.
+const problemTypeBase = "https://github.com/caddy-idempotency/idempotency#"
+
+var (
+	probKeyMissing = problem{
+		Type:   problemTypeBase + "key-missing",
+		Title:  "Idempotency-Key required",
+		Status: http.StatusBadRequest,
+		Detail: "this endpoint requires an Idempotency-Key header; send a unique key (for example a UUID) with each new request and the same key when you retry it",
+	}
+	probKeyMalformed = problem{
+		Type:   problemTypeBase + "key-malformed",
+		Title:  "Malformed Idempotency-Key",
+		Status: http.StatusBadRequest,
+	}
+	probCredentialMissing = problem{
+		Type:   problemTypeBase + "credential-missing",
+		Title:  "Credential required",
+		Status: http.StatusUnauthorized,
+		Detail: "idempotency keys are scoped to the caller's credential, and this request carries none; authenticate the request",
+	}
+	probBodyTooLarge = problem{
+		Type:   problemTypeBase + "body-too-large",
+		Title:  "Request body too large",
+		Status: http.StatusRequestEntityTooLarge,
+	}
+	probBodyUnreadable = problem{
+		Type:   problemTypeBase + "body-unreadable",
+		Title:  "Request body could not be read",
+		Status: http.StatusBadRequest,
+		Detail: "the request body could not be read completely; nothing was executed, retry the request with the same Idempotency-Key",
+	}
+	probKeyReused = problem{
+		Type:   problemTypeBase + "key-reused",
+		Title:  "Idempotency-Key reused",
+		Status: http.StatusConflict,
+		Detail: "this Idempotency-Key was already used with a different request (method, path, query or body); use a new key for a new request",
+	}
+	probInProgress = problem{
+		Type:   problemTypeBase + "in-progress",
+		Title:  "Request in progress",
+		Status: http.StatusConflict,
+		Detail: "a request with this Idempotency-Key is still being processed; retry after the Retry-After delay to get its response",
+	}
+	probNotReplayable = problem{
+		Type:   problemTypeBase + "not-replayable",
+		Title:  "Response not replayable",
+		Status: http.StatusConflict,
+		Detail: "the request with this Idempotency-Key was executed, but its response was too large to store, so it cannot be replayed; the request will not be executed again: look up its result another way, or use a new key for a new request",
+	}
+	probStoreUnavailable = problem{
+		Type:   problemTypeBase + "store-unavailable",
+		Title:  "Idempotency store unavailable",
+		Status: http.StatusServiceUnavailable,
+		Detail: "the idempotency store could not be reached, so the request was not executed; retry after the Retry-After delay with the same Idempotency-Key",
+	}
+	probOutcomeUnknown = problem{
+		Type:   problemTypeBase + "outcome-unknown",
+		Title:  "Outcome unknown",
+		Status: http.StatusBadGateway,
+		Detail: "the upstream failed after the request was sent, so it may have been executed; this response is stored and replayed for this Idempotency-Key; check the result before using a new key",
+	}
+)
+
+// withDetail returns a copy of p with another detail.
+func (p problem) withDetail(detail string) problem {
+	p.Detail = detail
+	return p
+}
+
+// write sends p. retryAfter, when positive, is sent as Retry-After in
+// whole seconds (rounded up, since a client that comes back early only
+// meets the same answer again).
+func (p problem) write(w http.ResponseWriter, retryAfterSeconds int) {
+	body, _ := json.Marshal(p) // a struct of strings and an int always marshals
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set("Cache-Control", "no-store")
+	if retryAfterSeconds > 0 {
+		h.Set("Retry-After", strconv.Itoa(retryAfterSeconds))
+	}
+	w.WriteHeader(p.Status)
+	_, _ = w.Write(body)
+}

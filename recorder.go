@@ -1,0 +1,163 @@
+package idempotency
+
+import (
+	"io"
+	"net/http"
+	"strconv"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// recorder streams a response to the client as the next handler produces
+// it, and keeps a copy of the status, headers and body for the store.
+//
+// It differs from caddyhttp's buffering recorder in three ways that the
+// idempotency guarantee depends on: it never delays the client (no
+// buffering), it caps its copy at a fixed size (the client still gets the
+// whole body), and it keeps accepting the body after the client has gone,
+// so that the upstream is read to the end and a complete response is
+// stored for the client's retry.
+type recorder struct {
+	*caddyhttp.ResponseWriterWrapper
+
+	limit int64
+
+	wroteHeader bool
+	status      int
+	// header is a snapshot taken at WriteHeader: the live map is shared
+	// with the handlers around us, which keep changing it afterwards
+	// (encode adds Content-Encoding, deferred header ops run late).
+	header http.Header
+	body   []byte
+	size   int64
+	// overflow means the body outgrew limit: the copy was dropped and
+	// the record will be completed as not replayable.
+	overflow bool
+	// clientGone is set by the first failed write to the client; from
+	// then on the body is only recorded.
+	clientGone bool
+}
+
+func newRecorder(w http.ResponseWriter, limit int64) *recorder {
+	return &recorder{
+		ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w},
+		limit:                 limit,
+	}
+}
+
+// WriteHeader records the final status and a snapshot of the headers.
+// Informational responses (103 Early Hints) pass through unrecorded: they
+// are not the response a replay must reproduce.
+func (rec *recorder) WriteHeader(status int) {
+	if rec.wroteHeader {
+		return
+	}
+	if status >= 100 && status < 200 && status != http.StatusSwitchingProtocols {
+		rec.ResponseWriter.WriteHeader(status)
+		return
+	}
+	rec.wroteHeader = true
+	rec.status = status
+	rec.header = rec.ResponseWriter.Header().Clone()
+	if cl := rec.header.Get("Content-Length"); cl != "" && !rec.overflow {
+		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 && n <= rec.limit {
+			rec.body = make([]byte, 0, n)
+		}
+	}
+	rec.ResponseWriter.WriteHeader(status)
+}
+
+// Write sends p to the client and records it. It reports success even
+// when the client has gone, so that the next handler (reverse_proxy's
+// copy loop) reads its upstream to the end instead of aborting: the
+// complete response is what the client's retry must get.
+func (rec *recorder) Write(p []byte) (int, error) {
+	if !rec.wroteHeader {
+		rec.WriteHeader(http.StatusOK)
+	}
+	rec.record(p)
+	if !rec.clientGone {
+		if _, err := rec.ResponseWriter.Write(p); err != nil {
+			rec.clientGone = true
+		}
+	}
+	return len(p), nil
+}
+
+func (rec *recorder) record(p []byte) {
+	rec.size += int64(len(p))
+	if rec.overflow {
+		return
+	}
+	if rec.size > rec.limit {
+		rec.overflow = true
+		rec.body = nil
+		return
+	}
+	rec.body = append(rec.body, p...)
+}
+
+// ReadFrom is overridden because the promoted one from
+// ResponseWriterWrapper would bypass Write, and with it the recording
+// (http.ServeContent and file_server send bodies this way).
+func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
+	return io.Copy(writerOnly{rec}, r)
+}
+
+// writerOnly hides recorder's ReadFrom from io.Copy, which would
+// otherwise call it again.
+type writerOnly struct{ io.Writer }
+
+// FlushError passes a flush through so that streamed responses reach the
+// client as they are produced. http.ResponseController calls it.
+func (rec *recorder) FlushError() error {
+	if !rec.wroteHeader {
+		rec.WriteHeader(http.StatusOK)
+	}
+	if rec.clientGone {
+		return nil
+	}
+	return http.NewResponseController(rec.ResponseWriter).Flush()
+}
+
+// Flush implements http.Flusher for handlers that type-assert it.
+func (rec *recorder) Flush() { _ = rec.FlushError() }
+
+// response returns what the store keeps: headers minus excluded ones,
+// and the body unless it outgrew the limit.
+func (rec *recorder) response(excluded map[string]struct{}) *Response {
+	status := rec.status
+	header := rec.header
+	if !rec.wroteHeader {
+		// A handler that returns without writing answers 200 with no
+		// body; that is what the client got, so that is what a replay
+		// gives.
+		status = http.StatusOK
+		header = rec.ResponseWriter.Header().Clone()
+	}
+	for name := range header {
+		if _, skip := excluded[http.CanonicalHeaderKey(name)]; skip {
+			delete(header, name)
+		}
+	}
+	resp := &Response{
+		Status:     status,
+		Header:     header,
+		BodySize:   rec.size,
+		Replayable: !rec.overflow,
+	}
+	if !rec.overflow {
+		resp.Body = rec.body
+		if resp.Body == nil {
+			resp.Body = []byte{}
+		}
+	}
+	return resp
+}
+
+// Interface guards
+var (
+	_ http.ResponseWriter = (*recorder)(nil)
+	_ http.Flusher        = (*recorder)(nil)
+	_ io.ReaderFrom       = (*recorder)(nil)
+)
