@@ -318,6 +318,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
+	hideKeyFromTransport(r.Header)
 	return h.execute(w, r, repl, next, rk, token, key, credID)
 }
 
@@ -603,6 +604,23 @@ func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
 			if n > 0 {
 				h.logger.Info("idempotency.prune", zap.Int64("rows", n))
 			}
+		}
+	}
+}
+
+// hideKeyFromTransport re-files the idempotency key headers under their
+// lower-case spelling. Go's http.Transport takes a canonical
+// Idempotency-Key or X-Idempotency-Key as leave to re-send a bodiless
+// request on a dropped keep-alive connection (reverse_proxy sends a nil
+// body when Content-Length is 0): that would execute once more a request
+// this handler exists to execute once. Field names are case-insensitive,
+// so the upstream still receives the header.
+func hideKeyFromTransport(header http.Header) {
+	for _, name := range [...]string{"Idempotency-Key", "X-Idempotency-Key"} {
+		if values, ok := header[name]; ok {
+			delete(header, name)
+			lower := strings.ToLower(name)
+			header[lower] = append(header[lower], values...)
 		}
 	}
 }

@@ -311,7 +311,7 @@ func TestSlowRequestIsNotTakenOver(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr(), "lock_timeout 300ms")
-		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(1200 * time.Millisecond)}
+		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(1500 * time.Millisecond)}
 		firstCh := runBackground(t, s, c)
 		up.WaitStarted(t, 1)
 		start := time.Now()
@@ -843,18 +843,41 @@ func TestUndialableUpstreamReleasesKey(t *testing.T) {
 // so the key must not be released. Catches releasing on every error.
 func TestUpstreamThatMayHaveExecutedIsNotReleased(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
-		up := newUpstream(t)
-		s := protectedSite(t, sb, up.Addr())
-		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Crash": "1"}}
-		first := s.Do(t, c)
-		if first.Status < 500 {
-			t.Fatalf("first: got %s, want a 5xx", first)
+		for _, tc := range []struct {
+			name  string
+			warm  bool // an earlier request leaves a keep-alive connection: the crash is on a reused one
+			empty bool // an empty body (POST /orders/1/cancel)
+		}{
+			{"fresh connection", false, false},
+			{"reused connection", true, false},
+			{"reused connection, empty body", true, true},
+		} {
+			warm := tc.warm
+			t.Run(tc.name, func(t *testing.T) {
+				up := newUpstream(t)
+				s := protectedSite(t, sb, up.Addr())
+				if warm {
+					wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+				}
+				n := up.Count()
+				c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Crash": "1"}}
+				if tc.empty {
+					c.Body = nil
+				}
+				first := s.Do(t, c)
+				if first.Status < 500 {
+					t.Fatalf("first: got %s, want a 5xx", first)
+				}
+				if got := up.Count(); got != n+1 {
+					t.Errorf("one client request reached the upstream %d times", got-n)
+				}
+				second := s.Do(t, c)
+				if second.Status < 400 {
+					t.Errorf("retry after a possible execution: got %s, want an error, not a success", second)
+				}
+				wantCount(t, up, n+1)
+			})
 		}
-		second := s.Do(t, c)
-		if second.Status < 400 {
-			t.Errorf("retry after a possible execution: got %s, want an error, not a success", second)
-		}
-		wantCount(t, up, 1)
 	})
 }
 
@@ -1266,6 +1289,8 @@ func TestLogs(t *testing.T) {
 	})
 }
 
+// Metrics in Caddy's registry, served by the admin endpoint: requests by
+// result, store latency as a histogram, and no per-key labels.
 func TestMetricsAreExposed(t *testing.T) {
 	up := newUpstream(t)
 	port, adminPort := freeTCPPort(t), freeTCPPort(t)
@@ -1286,16 +1311,36 @@ func TestMetricsAreExposed(t *testing.T) {
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	var names []string
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "caddy_") {
+		t.Fatalf("admin /metrics: %d, %d bytes", resp.StatusCode, len(b))
+	}
+	var types []string
+	histogram, replayed := false, false
 	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "# TYPE ") && strings.Contains(l, "idempotency") {
-			names = append(names, l)
+		if !strings.Contains(l, "idempotency") {
+			continue
+		}
+		if strings.HasPrefix(l, "# TYPE ") {
+			types = append(types, strings.TrimPrefix(l, "# TYPE "))
+			histogram = histogram || strings.HasSuffix(l, " histogram")
+		}
+		if !strings.HasPrefix(l, "#") && strings.Contains(l, `"replayed"`) {
+			replayed = true
+		}
+		if strings.Contains(l, c.Key) {
+			t.Errorf("a metric is labelled with the key: %s", l)
 		}
 	}
-	if len(names) == 0 {
+	if len(types) == 0 {
 		t.Fatalf("no idempotency metrics in the admin /metrics output")
 	}
-	t.Logf("metrics: %s", strings.Join(names, "; "))
+	t.Logf("metrics: %s", strings.Join(types, "; "))
+	if !histogram {
+		t.Errorf("no histogram (store round-trip latency) among the idempotency metrics")
+	}
+	if !replayed {
+		t.Errorf("no sample with result \"replayed\" after a replay")
+	}
 }
 
 // ---------------------------------------------------------------------------

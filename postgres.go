@@ -55,7 +55,7 @@ type PostgresStore struct {
 	table   tableName
 	poolKey postgresPoolKey
 	pool    *pgxpool.Pool
-	cleaned atomic.Bool
+	cleaned int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
 	sql     postgresSQL
 	logger  *zap.Logger
 }
@@ -182,7 +182,7 @@ func (s *PostgresStore) Cleanup() error {
 	// s.pool stays set: requests of the unloaded config may still be
 	// finishing (completing, renewing), and after the last reference
 	// closes the pool they get an error from it, not a nil pointer.
-	if s.pool == nil || !s.cleaned.CompareAndSwap(false, true) {
+	if s.pool == nil || !atomic.CompareAndSwapInt32(&s.cleaned, 0, 1) {
 		return nil
 	}
 	_, err := postgresPools.Delete(s.poolKey)
