@@ -247,7 +247,9 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
 	// under the same key must get its mismatch, not run in place of a
 	// request that may have executed.
 	if rec.Status == StatusInProgress && now.Sub(rec.LockedAt) > req.LockTimeout && rec.Fingerprint == req.Fingerprint {
-		rec.token, rec.LockedAt = req.Token, now
+		// A fresh retention, as the Postgres store gives: a record that
+		// expired under its new owner would let yet another request run.
+		rec.token, rec.LockedAt, rec.ExpiresAt = req.Token, now, now.Add(req.Retention)
 		return AcquireResult{Outcome: OutcomeTakenOver}, nil
 	}
 	snapshot := rec.Record

@@ -18,9 +18,12 @@ import (
 type Store interface {
 	// Acquire atomically either creates an in_progress record owned by
 	// req.Token, or returns the record that already exists. An existing
-	// record that has expired, or whose lock is older than
-	// req.LockTimeout, is taken over by exactly one caller (a
-	// compare-and-swap), which then owns it as if it had been created.
+	// record that has expired is treated as absent. An in_progress
+	// record whose lock is older than req.LockTimeout and whose
+	// fingerprint is req's (the same request, retried) is taken over by
+	// exactly one caller (a compare-and-swap), which then owns it with a
+	// fresh retention; a different request never takes over, since the
+	// dead owner may have executed.
 	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
 
 	// Complete stores resp on the record owned by token and marks it
