@@ -5,3 +5,35 @@ test:
 
 caddy:
 	go build -o caddy ./cmd/caddy
+
+# The long runs, outside `make test`: the invariant with 20,000 keys against
+# race-built Caddy processes, and each fuzz target for FUZZTIME.
+.PHONY: soak fuzz
+FUZZTIME ?= 1m
+soak:
+	IDEMPOTENCY_SOAK=1 IDEMPOTENCY_CADDY_RACE=1 go test -race -count=1 -run '^TestInvariantExactlyOnce$$' -v -timeout 60m .
+
+fuzz:
+	for f in FuzzParseKey FuzzCanonicalJSON FuzzCaddyfile FuzzRecorder; do \
+		go test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; \
+	done
+
+# The benchmark (bench/, README "Performance"): every row side by side on
+# this machine, with the ratios of issue 5, then the micro-benchmarks.
+# BENCH_DURATION, BENCH_CONCURRENCY and BENCH_DSN override the defaults.
+.PHONY: bench bench-quick bench-scale bench-pools bench-micro
+bench:
+	go run ./bench/runner
+	$(MAKE) bench-micro
+
+bench-quick:
+	go run ./bench/runner -quick
+
+bench-scale:
+	go run ./bench/runner -scale
+
+bench-pools:
+	go run ./bench/runner -pools 4,8,16,32
+
+bench-micro:
+	go test -run '^$$' -bench 'FingerprintJSON2KiB|CanonicalJSON|Recorder|Replay|FirstExecution|DecodeHeaderJSON' -benchmem -count 1 .

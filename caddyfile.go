@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"math"
+	"strconv"
 	"strings"
 
 	"github.com/caddyserver/caddy/v2"
@@ -50,6 +51,11 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    exclude_headers    <name...>
 //	    prune_interval     <duration>
 //	    execution_timeout  <duration>
+//	    replay_cache       <size>|off
+//	    wait               <duration>
+//	    mismatch_status    409|422
+//	    shadow
+//	    on_store_error     fail_closed|fail_open
 //	}
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
@@ -107,6 +113,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = sizeArg(d, &h.MaxRequestBody)
 		case "max_response_body":
 			err = sizeArg(d, &h.MaxResponseBody)
+		case "replay_cache":
+			err = replayCacheArg(d, &h.ReplayCache)
 		case "exclude_headers":
 			h.ExcludeHeaders = d.RemainingArgs()
 			if len(h.ExcludeHeaders) == 0 {
@@ -116,6 +124,30 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				if !validToken(name) {
 					return d.Errf("idempotency: exclude_headers: invalid header name %q", name)
 				}
+			}
+		case "wait":
+			err = durationArg(d, &h.Wait, true)
+		case "mismatch_status":
+			var s string
+			if !d.Args(&s) || d.NextArg() {
+				return d.ArgErr()
+			}
+			switch s {
+			case "409", "422":
+				h.MismatchStatus, _ = strconv.Atoi(s)
+			default:
+				return d.Errf("idempotency: mismatch_status must be 409 or 422, not %q", s)
+			}
+		case "shadow":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			h.Shadow = true
+		case "on_store_error":
+			if err = oneArg(d, &h.OnStoreError); err == nil &&
+				h.OnStoreError != onStoreErrorFailClosed && h.OnStoreError != onStoreErrorFailOpen {
+				return d.Errf("idempotency: on_store_error must be %s or %s, not %q",
+					onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
 			}
 		default:
 			return d.Errf("idempotency: unrecognized subdirective %q", name)
@@ -191,6 +223,25 @@ func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
 		return d.Errf("idempotency: %s: size must be between 1 byte and 2GiB, got %q", name, s)
 	}
 	*dst = int64(n)
+	return nil
+}
+
+// replayCacheArg parses `replay_cache <size>|off`; 0 and off disable the
+// cache.
+func replayCacheArg(d *caddyfile.Dispenser, dst **int64) error {
+	var s string
+	if !d.Args(&s) || d.NextArg() {
+		return d.ArgErr()
+	}
+	var n uint64
+	if s != "off" {
+		var err error
+		if n, err = humanize.ParseBytes(s); err != nil || n > math.MaxInt64 {
+			return d.Errf("idempotency: replay_cache: invalid size %q (want a size such as 4MiB, or off)", s)
+		}
+	}
+	size := int64(n)
+	*dst = &size
 	return nil
 }
 

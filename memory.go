@@ -104,10 +104,14 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 	}
 	// Copied outside the lock: the caller may reuse its buffers.
 	resp = copyResponse(resp)
-	return m.records.owned(key, token, func(rec *memoryRecord) {
+	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		rec.Status = StatusCompleted
 		rec.Response = resp
 	})
+	if err == nil {
+		m.records.waits.wake(key)
+	}
+	return err
 }
 
 // Release implements Store.
@@ -115,9 +119,22 @@ func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToke
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return m.records.owned(key, token, func(*memoryRecord) {
+	err := m.records.owned(key, token, func(*memoryRecord) {
 		delete(m.records.m, key)
 	})
+	if err == nil {
+		m.records.waits.wake(key)
+	}
+	return err
+}
+
+// EnableWaiting implements Waiter. The memory store always wakes
+// waiters: with none, that costs a map lookup.
+func (m *MemoryStore) EnableWaiting() {}
+
+// WaitCompleted implements Waiter.
+func (m *MemoryStore) WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{} {
+	return m.records.waits.wait(ctx, key)
 }
 
 // Renew implements Store.
@@ -201,6 +218,10 @@ type memoryRecords struct {
 	// full store of live records refuses a new key without sweeping the
 	// whole map each time.
 	earliest time.Time
+
+	// waits are the requests waiting for a record to be completed or
+	// released (the handler's `wait`).
+	waits waitSet[RecordKey]
 }
 
 type memoryRecord struct {
@@ -310,6 +331,7 @@ func copyResponse(r *Response) *Response {
 // Interface guards
 var (
 	_ Store                 = (*MemoryStore)(nil)
+	_ Waiter                = (*MemoryStore)(nil)
 	_ caddy.Provisioner     = (*MemoryStore)(nil)
 	_ caddy.CleanerUpper    = (*MemoryStore)(nil)
 	_ caddyfile.Unmarshaler = (*MemoryStore)(nil)

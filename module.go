@@ -23,6 +23,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -126,11 +127,50 @@ type Handler struct {
 	// Default: 5m.
 	ExecutionTimeout caddy.Duration `json:"execution_timeout,omitempty"`
 
+	// The size in bytes of this handler's cache of completed responses,
+	// which replays them without a round trip to the store (cache.go).
+	// 0 disables it. Default: 4 MiB.
+	ReplayCache *int64 `json:"replay_cache,omitempty"`
+
+	// How long a request that finds the same request (same key, same
+	// fingerprint) still in progress waits for it to finish, to get its
+	// response replayed, before it gets 409 with Retry-After. The store
+	// wakes waiters when the first request completes (Postgres:
+	// LISTEN/NOTIFY), so waiting costs no polling. Default: 0, an
+	// immediate 409.
+	Wait caddy.Duration `json:"wait,omitempty"`
+
+	// The status answered when a key is reused with a different request:
+	// 409 (Conflict, the default, as Stripe does) or 422 (Unprocessable
+	// Content, the IETF draft's choice).
+	MismatchStatus int `json:"mismatch_status,omitempty"`
+
+	// If true, nothing is enforced: protected requests are fingerprinted
+	// and recorded, and every would-be replay, mismatch and in-progress
+	// conflict is logged (idempotency.shadow), but every request reaches
+	// the next handler. For rolling the handler out in front of an
+	// existing API. {http.idempotency.result} says shadow_<result>.
+	// wait, mismatch_status and on_store_error do not apply.
+	Shadow bool `json:"shadow,omitempty"`
+
+	// What a protected request gets when the store cannot be reached:
+	// "fail_closed" (the default) answers 503 with Retry-After and does
+	// not execute the request; "fail_open" executes it without
+	// protection (a retry may then execute twice) and logs
+	// idempotency.fail_open. Only for routes where a duplicate is
+	// harmless and availability matters more.
+	OnStoreError string `json:"on_store_error,omitempty"`
+
 	store     Store
+	waiter    Waiter
 	methods   map[string]struct{}
 	excluded  map[string]struct{}
 	logger    *zap.Logger
 	retrySecs int
+	// executing counts the requests that own a record (from execute to
+	// their completion): the store keeps its connections for them when
+	// a reload unloads this handler under them.
+	executing *atomic.Int64
 }
 
 // CaddyModule returns the Caddy module information.
@@ -195,6 +235,27 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
 	h.store = mod.(Store)
+	h.executing = new(atomic.Int64)
+	if ps, ok := mod.(*PostgresStore); ok {
+		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
+			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))
+	}
+	// Measured under the replay cache: its hits are not store round trips.
+	if err := h.provisionMetrics(ctx); err != nil {
+		return err
+	}
+	if h.ReplayCache == nil {
+		size := int64(defaultReplayCache)
+		h.ReplayCache = &size
+	}
+	if *h.ReplayCache > 0 {
+		// Even in front of the memory store: a hit skips the store's
+		// lock and its defensive copy of the response.
+		h.store = newReplayCache(h.store, *h.ReplayCache)
+	}
+	if err := h.provisionModes(mod); err != nil {
+		return err
+	}
 
 	if *h.PruneInterval > 0 {
 		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))
@@ -204,8 +265,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 // Validate rejects settings that cannot work.
 func (h *Handler) Validate() error {
+	if err := h.validateModes(); err != nil {
+		return err
+	}
 	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
 		return fmt.Errorf("max_request_body and max_response_body must be positive")
+	}
+	if h.ReplayCache != nil && *h.ReplayCache < 0 {
+		return fmt.Errorf("replay_cache must not be negative")
 	}
 	if h.Retention < 0 || h.LockTimeout < 0 || h.RetryAfter < 0 || h.ExecutionTimeout < 0 || *h.PruneInterval < 0 {
 		return fmt.Errorf("durations must not be negative")
@@ -250,11 +317,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	// Both placeholders are set on every protected request, so that an
+	// access log shows an empty key rather than a missing field.
+	repl.Set("http.idempotency.key", "")
+	defer countResult(repl)
+	if h.Shadow {
+		return h.serveShadow(w, r, repl, next)
+	}
 
 	// 1. Key.
 	rawKey := r.Header.Get(h.KeyHeader)
 	if rawKey == "" && len(r.Header.Values(h.KeyHeader)) == 0 {
 		if h.Optional {
+			repl.Set("http.idempotency.result", resultNoKey)
 			return next.ServeHTTP(w, r)
 		}
 		return h.reject(w, repl, "", probKeyMissing)
@@ -287,9 +362,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// 4. Fingerprint.
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 
-	// 5. Acquire, in one round trip.
+	// 5. Acquire, in one round trip (and, with `wait`, wait for the
+	// same request in progress to finish). The store dates a lock when
+	// the acquire reaches it, so the lock is no older than sent: its
+	// renewals are timed from sent, not from the answer, which a loaded
+	// store may give late.
 	token := newLockToken()
-	acq, err := h.acquire(r.Context(), AcquireRequest{
+	sent := time.Now()
+	acq, err := h.acquireOrWait(r.Context(), AcquireRequest{
 		Key:         rk,
 		Token:       token,
 		Fingerprint: fp,
@@ -300,6 +380,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	})
 	if err != nil {
 		h.storeError("acquire", key, credID, r, err)
+		if h.OnStoreError == onStoreErrorFailOpen {
+			return h.failOpen(w, r, repl, next, body, key, credID)
+		}
 		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	}
 
@@ -313,59 +396,100 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			zap.String("method", r.Method), zap.String("path", r.URL.Path),
 			zap.Duration("lock_timeout", time.Duration(h.LockTimeout)))
 	}
+	// An acquire answered later than a renewal would be due holds a lock
+	// that may be about to go stale, or that a retry may already have
+	// taken over: confirm it before anything runs, since nothing that
+	// runs can be taken back. Failing that, fail closed, whatever
+	// on_store_error says: the lock would go stale under the execution.
+	if time.Since(sent) >= h.renewInterval() {
+		confirmed := time.Now()
+		switch err := h.renew(rk, token); {
+		case errors.Is(err, ErrLockLost):
+			h.logger.Warn("idempotency.lock_lost",
+				zap.String("key", key), zap.String("credential_id", credID),
+				zap.String("method", r.Method), zap.String("path", r.URL.Path),
+				zap.String("during", "confirm"))
+			return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
+		case err != nil:
+			// Nothing ran: give the key back if the store lets us, so
+			// that the retry need not wait for the lock to go stale.
+			h.storeError("renew", key, credID, r, err)
+			h.release(rk, token, key, credID, r, err)
+			return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
+		}
+		sent = confirmed
+	}
 
 	// 7–9. Execute, then complete or release.
 	r.Body = io.NopCloser(bytes.NewReader(body))
 	r.ContentLength = int64(len(body))
 	r.TransferEncoding = nil
 	hideKeyFromTransport(r.Header)
-	return h.execute(w, r, repl, next, rk, token, key, credID)
+	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
 }
 
 // readBody reads the request body up to MaxRequestBody. The problem it
 // returns, if any, is the client's error: nothing has been stored yet.
+// With a problem, the bytes are those read so far: shadow mode hands them
+// on, followed by the rest of the body.
 func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
-	tooLarge := probBodyTooLarge.withDetail(fmt.Sprintf(
-		"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+	tooLarge := func() *problem {
+		p := probBodyTooLarge.withDetail(fmt.Sprintf(
+			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+		return &p
+	}
 	if r.ContentLength > h.MaxRequestBody {
-		return nil, &tooLarge
+		return nil, tooLarge()
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return []byte{}, nil
 	}
+	// With a Content-Length, the body is read in one allocation of its
+	// size (+1 to see EOF without growing), the one copy a request costs.
 	size := int64(512)
 	if r.ContentLength >= 0 {
-		size = r.ContentLength + 1 // +1 to see EOF without growing
+		size = r.ContentLength + 1
 	}
-	buf := bytes.NewBuffer(make([]byte, 0, size))
-	_, err := buf.ReadFrom(io.LimitReader(r.Body, h.MaxRequestBody+1))
-	if err != nil {
-		p := probBodyUnreadable
-		var ne net.Error
-		if errors.As(err, &ne) && ne.Timeout() {
-			p.Status = http.StatusRequestTimeout
+	buf := make([]byte, 0, size)
+	lr := io.LimitedReader{R: r.Body, N: h.MaxRequestBody + 1}
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
 		}
-		return nil, &p
+		n, err := lr.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			p := probBodyUnreadable
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				p.Status = http.StatusRequestTimeout
+			}
+			return buf, &p
+		}
 	}
-	if int64(buf.Len()) > h.MaxRequestBody {
-		return nil, &tooLarge
+	if int64(len(buf)) > h.MaxRequestBody {
+		return buf, tooLarge()
 	}
-	return buf.Bytes(), nil
+	return buf, nil
 }
 
 // existing answers a request whose key already has a live record that
 // this request does not own.
 func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, key, credID string, fp [32]byte, rec *Record) error {
 	fields := func(extra ...zap.Field) []zap.Field {
-		return append([]zap.Field{
+		f := make([]zap.Field, 0, 4+len(extra))
+		f = append(f,
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
-		}, extra...)
+			zap.String("method", r.Method), zap.String("path", r.URL.Path))
+		return append(f, extra...)
 	}
 	if rec.Fingerprint != fp {
 		h.logger.Info("idempotency.mismatch", fields(
 			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))...)
-		return h.finish(w, repl, resultMismatch, probKeyReused, 0)
+		return h.finish(w, repl, resultMismatch, h.mismatchProblem(), 0)
 	}
 	if rec.Status != StatusCompleted || rec.Response == nil {
 		h.logger.Info("idempotency.in_progress", fields(
@@ -378,9 +502,11 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
 		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
 	}
-	h.logger.Info("idempotency.replay", fields(
-		zap.Int("original_status", resp.Status),
-		zap.Float64("age_seconds", time.Since(rec.CreatedAt).Seconds()))...)
+	age := time.Since(rec.CreatedAt).Seconds()
+	if c := h.logger.Check(zapcore.InfoLevel, "idempotency.replay"); c != nil {
+		c.Write(fields(zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))...)
+	}
+	replayAge.Observe(age)
 	repl.Set("http.idempotency.result", resultReplayed)
 
 	// The stored headers replace whatever handlers before us set (a
@@ -388,21 +514,36 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	// the original response was recorded, unless the next handler
 	// removed them, as reverse_proxy does with Server. Assign, never
 	// Add, or values would be doubled.
+	//
+	// The values are copied, all in one allocation: the stored ones may
+	// be shared with other replays (the replay cache). Each header gets a
+	// full slice expression, so that a handler appending to one
+	// reallocates instead of writing over its neighbour.
 	hdr := w.Header()
 	clear(hdr)
-	for name, values := range resp.Header {
-		hdr[name] = append([]string(nil), values...)
+	n := 0
+	for _, values := range resp.Header {
+		n += len(values)
 	}
-	hdr.Set("Idempotent-Replay", "true")
-	hdr.Set("Idempotent-Replayed", "true")
+	all := make([]string, 0, n+2)
+	for name, values := range resp.Header {
+		all = append(all, values...)
+		hdr[name] = all[len(all)-len(values) : len(all) : len(all)]
+	}
+	all = append(all, "true", "true")
+	hdr["Idempotent-Replay"] = all[n : n+1 : n+1]
+	hdr["Idempotent-Replayed"] = all[n+1 : n+2 : n+2]
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
 	return nil
 }
 
 // execute runs the next handler for a request that owns its key, and
-// stores its response, or releases the key if nothing can have run.
-func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string) error {
+// stores its response, or releases the key if nothing can have run. The
+// lock was dated no earlier than lockedSince.
+func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) error {
+	h.executing.Add(1)
+	defer h.executing.Add(-1)
 	// The protected work must not be cancelled by the client going away:
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
@@ -420,16 +561,16 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	})
 	defer stopWatch()
 
-	repl.Set("http.idempotency.result", resultExecuted)
-	stopRenew := h.keepLock(rk, token, key, credID)
+	repl.Set("http.idempotency.result", h.result(resultExecuted))
+	stopRenew := h.keepLock(rk, token, key, credID, lockedSince)
 	rec := newRecorder(w, h.MaxResponseBody)
 	err := next.ServeHTTP(rec, r.WithContext(execCtx))
-	stopRenew()
+	lockedAt := stopRenew()
 
 	if err != nil && !rec.wroteHeader {
 		if execCtx.Err() == nil && nothingExecuted(err) {
 			h.release(rk, token, key, credID, r, err)
-			repl.Set("http.idempotency.result", resultReleased)
+			repl.Set("http.idempotency.result", h.result(resultReleased))
 			return err
 		}
 		// The upstream may have acted on the request: storing this
@@ -445,7 +586,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		p.write(rec, 0)
 	}
 
-	h.complete(rk, token, key, credID, r, rec.response(h.excluded))
+	h.complete(rk, token, key, credID, r, rec.response(h.excluded), lockedAt)
 	return nil
 }
 
@@ -472,22 +613,27 @@ func nothingExecuted(err error) bool {
 }
 
 // keepLock renews the lock while the request runs, so that a request
-// slower than LockTimeout is not taken over by a retry. Renewal happens
-// at a third of the timeout, leaving room for two failed attempts.
-func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string) (stop func()) {
+// slower than LockTimeout is not taken over by a retry. A renewal is due
+// a third of the timeout after the lock was last dated (the store dates
+// it when a renewal reaches it, so no earlier than when it was sent),
+// leaving room for two slow or failed attempts. stop waits for a renewal
+// in flight, so that none races the completion, and returns when the lock
+// was last dated.
+func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) (stop func() time.Time) {
 	done := make(chan struct{})
-	interval := time.Duration(h.LockTimeout) / 3
+	last := make(chan time.Time, 1)
+	interval := h.renewInterval()
 	go func() {
-		t := time.NewTicker(interval)
+		defer func() { last <- lockedSince }()
+		t := time.NewTimer(time.Until(lockedSince.Add(interval)))
 		defer t.Stop()
 		for {
 			select {
 			case <-done:
 				return
 			case <-t.C:
-				ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
-				err := h.store.Renew(ctx, rk, token)
-				cancel()
+				sent := time.Now()
+				err := h.renew(rk, token)
 				if errors.Is(err, ErrLockLost) {
 					h.logger.Error("idempotency.lock_lost",
 						zap.String("key", key), zap.String("credential_id", credID),
@@ -498,28 +644,49 @@ func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string) (s
 					h.logger.Error("idempotency.store_error",
 						zap.String("operation", "renew"), zap.String("key", key),
 						zap.String("credential_id", credID), zap.Error(err))
+					// The lock was not dated anew. Try again an interval
+					// from now, not at once against a failing store.
+					t.Reset(interval)
+					continue
 				}
+				lockedSince = sent
+				t.Reset(time.Until(sent.Add(interval)))
 			}
 		}
 	}()
-	return func() { close(done) }
+	return func() time.Time {
+		close(done)
+		return <-last
+	}
+}
+
+func (h *Handler) renewInterval() time.Duration { return time.Duration(h.LockTimeout) / 3 }
+
+// renew dates the lock anew, in one bounded round trip.
+func (h *Handler) renew(rk RecordKey, token LockToken) error {
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	defer cancel()
+	return h.store.Renew(ctx, rk, token)
 }
 
 // complete stores the response. The client already has it; a failure
 // here leaves the record in progress until its lock expires, and then a
-// retry would run again, so it is tried a few times before giving up.
-func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response) {
+// retry would run again. So it is retried for as long as the lock,
+// dated at lockedAt, cannot have been taken over: a store that lost its
+// connections (a restart, a failover) fails the first statements on
+// each of the pool's dead connections before a fresh one is dialled,
+// and a fixed few attempts can all meet one.
+func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, lockedAt time.Time) {
+	deadline := lockedAt.Add(time.Duration(h.LockTimeout))
 	var err error
-	for attempt, backoff := 0, 100*time.Millisecond; attempt < 3; attempt, backoff = attempt+1, backoff*4 {
-		if attempt > 0 {
-			time.Sleep(backoff)
-		}
+	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
 		ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 		err = h.store.Complete(ctx, rk, token, resp)
 		cancel()
-		if err == nil || errors.Is(err, ErrLockLost) {
+		if err == nil || errors.Is(err, ErrLockLost) || time.Now().Add(backoff).After(deadline) {
 			break
 		}
+		time.Sleep(backoff)
 	}
 	switch {
 	case errors.Is(err, ErrLockLost):
@@ -547,7 +714,12 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 }
 
 func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	// Not cancelled by the client leaving: a cancelled statement may
+	// have committed all the same, leaving a lock that nobody owns, and
+	// every retry would get 409 until lock_timeout. A request that
+	// acquires after its client left executes and is stored for the
+	// retry, as step 7 has it.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
 	return h.store.Acquire(ctx, req)
 }

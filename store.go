@@ -47,6 +47,28 @@ type Store interface {
 	Prune(ctx context.Context, batchSize int) (int64, error)
 }
 
+// Waiter is implemented by stores that can wake a request waiting for an
+// in-progress record to finish (the handler's `wait`), so that waiting
+// costs no polling. Both stores of this package implement it: memory with
+// a channel, Postgres with LISTEN/NOTIFY.
+type Waiter interface {
+	// EnableWaiting is called once, at provision, by a handler that
+	// waits. From then on Complete and Release wake the waiters of their
+	// record, on every instance that shares the store, and WaitCompleted
+	// works. A store may make completions cheaper without it (a NOTIFY
+	// serialises commits in Postgres), so it is not always on.
+	EnableWaiting()
+
+	// WaitCompleted returns a channel that is closed when the record of
+	// key is completed or released after the call, or when the store
+	// may have missed that news (a lost notification connection): either
+	// way, the caller must look at the record again, with Acquire. So
+	// that no completion slips between a look and the wait, a caller
+	// calls WaitCompleted first and then looks. The registration ends
+	// when ctx is done.
+	WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{}
+}
+
 // ErrLockLost means the record is no longer owned by the caller's token:
 // its lock went stale and another request took it over, or it was
 // released by an operator.

@@ -1,0 +1,168 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"time"
+)
+
+type report struct {
+	Started time.Time      `json:"started"`
+	Env     environment    `json:"environment"`
+	Config  map[string]any `json:"config"`
+	Rows    []row          `json:"rows"`
+	Ratios  []ratio        `json:"ratios"`
+	Scale   *scaleReport   `json:"scale,omitempty"`
+}
+
+func reportConfig(cfg config) map[string]any {
+	return map[string]any{
+		"duration":    cfg.duration.String(),
+		"warmup":      cfg.warmup.String(),
+		"concurrency": cfg.concurrency,
+		"replay_keys": cfg.keys,
+		"quick":       cfg.quick,
+	}
+}
+
+// ratio is one of the issue's targets, computed from this run's rows.
+type ratio struct {
+	What    string  `json:"what"`
+	Formula string  `json:"formula"`
+	Value   float64 `json:"value"`
+	Target  float64 `json:"target"`
+	Met     bool    `json:"met"`
+	// PerCPU is the same ratio over requests per core-second of the
+	// benchmark's own processes (ourCPU): a second view, less sensitive
+	// to CPU taken by other tenants of the machine, and blind to waiting
+	// (a commit's flush costs no CPU).
+	PerCPU float64 `json:"per_cpu,omitempty"`
+}
+
+// ourCPU is the CPU the benchmark's own processes used during a row, in
+// cores.
+func ourCPU(cpu map[string]float64) float64 {
+	return cpu["caddy"] + cpu["loadgen"] + cpu["upstream"] + cpu["postgres"] + cpu["pgx client"]
+}
+
+// compose is the issue's L(a, b) = 1/(1/a + 1/b): the throughput of a row
+// that must do both a and b on the same CPUs.
+func compose(a, b float64) float64 {
+	if a <= 0 || b <= 0 {
+		return 0
+	}
+	return 1 / (1/a + 1/b)
+}
+
+func ratios(rows []row) []ratio {
+	rps, eff := map[string]float64{}, map[string]float64{}
+	for _, r := range rows {
+		rps[r.ID] = r.RPS
+		if c := ourCPU(r.CPU); c > 0 {
+			eff[r.ID] = r.RPS / c
+		}
+	}
+	var out []ratio
+	addRatio := func(what, formula string, value func(v map[string]float64) float64, target float64, need ...string) {
+		for _, id := range need {
+			if rps[id] == 0 {
+				return
+			}
+		}
+		v := value(rps)
+		q := ratio{What: what, Formula: formula, Value: v, Target: target, Met: v >= target}
+		complete := true
+		for _, id := range need {
+			complete = complete && eff[id] > 0
+		}
+		if complete {
+			q.PerCPU = value(eff)
+		}
+		out = append(out, q)
+	}
+	addRatio("first execution, memory store", "5a / 1",
+		func(v map[string]float64) float64 { return v["5a"] / v["1"] }, 0.9, "5a", "1")
+	addRatio("replay, memory store", "5b / 7b",
+		func(v map[string]float64) float64 { return v["5b"] / v["7b"] }, 0.9, "5b", "7b")
+	addRatio("replay, replay cache (Postgres)", "4 / 7b",
+		func(v map[string]float64) float64 { return v["4"] / v["7b"] }, 0.9, "4", "7b")
+	addRatio("first execution, Postgres", "2 / L(1, 6)",
+		func(v map[string]float64) float64 { return v["2"] / compose(v["1"], v["6"]) }, 0.8, "2", "1", "6")
+	addRatio("replay, Postgres, no cache", "3 / L(7b, 7a)",
+		func(v map[string]float64) float64 { return v["3"] / compose(v["7b"], v["7a"]) }, 0.8, "3", "7b", "7a")
+	return out
+}
+
+func ms(d time.Duration) string {
+	switch {
+	case d <= 0:
+		return "-"
+	case d < 10*time.Millisecond:
+		return fmt.Sprintf("%.2fms", float64(d)/1e6)
+	default:
+		return fmt.Sprintf("%.1fms", float64(d)/1e6)
+	}
+}
+
+func (r *report) print(w io.Writer) {
+	e := r.Env
+	fmt.Fprintf(w, "\nidempotency benchmark, %s\n", e.Date)
+	fmt.Fprintf(w, "machine: %s, %d CPUs; %s; Postgres %s (%s)\n", e.Machine, e.CPUs, e.Go, e.Postgres, e.PGSettings)
+	fmt.Fprintf(w, "load: %v concurrent, %s per row after %s warmup; request ~500 B JSON, response ~1 KiB JSON; replays cycle %v keys\n\n",
+		r.Config["concurrency"], r.Config["duration"], r.Config["warmup"], r.Config["replay_keys"])
+	fmt.Fprintf(w, "%-4s %-44s %9s %8s %8s %6s   %s\n", "row", "what", "req/s", "p50", "p99", "errors", "CPU (cores): caddy gen upstream pg pgx-client | other")
+	for _, row := range r.Rows {
+		fmt.Fprintf(w, "%-4s %-44s %9.0f %8s %8s %6d   %s\n", row.ID, row.What, row.RPS, ms(row.P50), ms(row.P99), row.Errors, cpuLine(row.CPU))
+	}
+	if len(r.Rows) > 0 && len(r.Rows[0].Rounds) > 1 {
+		var parts []string
+		for _, row := range r.Rows {
+			var rps []string
+			for _, v := range row.Rounds {
+				rps = append(rps, fmt.Sprintf("%.0f", v))
+			}
+			parts = append(parts, row.ID+": "+strings.Join(rps, "/"))
+		}
+		fmt.Fprintf(w, "each row is the best of %d rounds (req/s of every round: %s)\n", len(r.Rows[0].Rounds), strings.Join(parts, ", "))
+	}
+	if len(r.Ratios) > 0 {
+		fmt.Fprintf(w, "\ntargets (L(a,b) = 1/(1/a+1/b), every figure from this run):\n")
+		for _, q := range r.Ratios {
+			verdict := "met"
+			if !q.Met {
+				verdict = fmt.Sprintf("NOT met (%.0f%% short)", (1-q.Value/q.Target)*100)
+			}
+			perCPU := ""
+			if q.PerCPU > 0 {
+				perCPU = fmt.Sprintf("   [per core-second: %.2f]", q.PerCPU)
+			}
+			fmt.Fprintf(w, "  %-34s %-14s %5.2f  (target >= %.2f)  %-22s%s\n", q.What, q.Formula, q.Value, q.Target, verdict, perCPU)
+		}
+		fmt.Fprintf(w, "  [per core-second]: the same ratio over requests per CPU-second of the benchmark's own processes;\n"+
+			"  a second view, less sensitive to other tenants of the machine, blind to waiting (a commit's flush costs no CPU)\n")
+	}
+	var busy []string
+	for _, row := range r.Rows {
+		if row.CPU["other"] >= 0.15 {
+			busy = append(busy, fmt.Sprintf("%s (%.2f cores)", row.ID, row.CPU["other"]))
+		}
+	}
+	if len(busy) > 0 {
+		fmt.Fprintf(w, "\nWARNING: other processes used CPU during rows %s: those figures were taken under foreign load; rerun before trusting them.\n", strings.Join(busy, ", "))
+	}
+	if r.Scale != nil {
+		r.Scale.print(w)
+	}
+}
+
+func cpuLine(cpu map[string]float64) string {
+	f := func(k string) string {
+		v := cpu[k]
+		if v < 0.005 {
+			return "   -"
+		}
+		return fmt.Sprintf("%4.2f", v)
+	}
+	return fmt.Sprintf("%s %s %s %s %s | %s", f("caddy"), f("loadgen"), f("upstream"), f("postgres"), f("pgx client"), f("other"))
+}

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"bytes"
+	"math"
+	"strings"
+	"testing"
+
+	"github.com/caddy-idempotency/idempotency/bench/load"
+)
+
+func TestCompose(t *testing.T) {
+	if got := compose(1000, 1000); got != 500 {
+		t.Errorf("L(1000, 1000) = %v, want 500", got)
+	}
+	if got := compose(3000, 1500); math.Abs(got-1000) > 1e-9 {
+		t.Errorf("L(3000, 1500) = %v, want 1000", got)
+	}
+	if compose(0, 10) != 0 {
+		t.Error("L with a missing figure is not 0")
+	}
+}
+
+func TestRatiosFromTheRun(t *testing.T) {
+	rps := map[string]float64{"1": 10000, "2": 1700, "3": 6000, "4": 14000, "5a": 9100, "5b": 13000, "6": 2500, "7a": 20000, "7b": 15000}
+	var rows []row
+	for id, v := range rps {
+		rows = append(rows, row{ID: id, measurement: measurement{Result: load.Result{RPS: v}}})
+	}
+	got := map[string]ratio{}
+	for _, r := range ratios(rows) {
+		got[r.Formula] = r
+	}
+	want := map[string]float64{
+		"5a / 1":        0.91,
+		"5b / 7b":       13000.0 / 15000,
+		"4 / 7b":        14000.0 / 15000,
+		"2 / L(1, 6)":   1700 / compose(10000, 2500),
+		"3 / L(7b, 7a)": 6000 / compose(15000, 20000),
+	}
+	for f, v := range want {
+		if math.Abs(got[f].Value-v) > 1e-9 {
+			t.Errorf("%s = %v, want %v", f, got[f].Value, v)
+		}
+	}
+	if !got["5a / 1"].Met || got["5b / 7b"].Met || !got["2 / L(1, 6)"].Met {
+		t.Errorf("verdicts: %+v", got)
+	}
+
+	// Rows that were not run give no ratio, rather than a wrong one.
+	if r := ratios(rows[:1]); len(r) != 0 {
+		t.Errorf("ratios from one row: %+v", r)
+	}
+
+	var out bytes.Buffer
+	(&report{Rows: rows, Ratios: ratios(rows), Config: map[string]any{}}).print(&out)
+	for _, s := range []string{"req/s", "targets", "NOT met", "5b / 7b"} {
+		if !strings.Contains(out.String(), s) {
+			t.Errorf("report lacks %q:\n%s", s, out.String())
+		}
+	}
+}
+
+func TestBestRounds(t *testing.T) {
+	mk := func(id string, rps float64) row {
+		return row{ID: id, measurement: measurement{Result: load.Result{RPS: rps}}}
+	}
+	got := bestRounds([][]row{
+		{mk("1", 100), mk("2", 50)},
+		{mk("1", 90), mk("2", 70)},
+	})
+	if len(got) != 2 || got[0].RPS != 100 || got[1].RPS != 70 {
+		t.Fatalf("best rounds: %+v", got)
+	}
+	if len(got[0].Rounds) != 2 || got[0].Rounds[1] != 90 || got[1].Rounds[0] != 50 {
+		t.Errorf("rounds kept: %v %v", got[0].Rounds, got[1].Rounds)
+	}
+}

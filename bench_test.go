@@ -1,0 +1,273 @@
+package idempotency
+
+// Micro-benchmarks of the hot path (go test -bench . -benchmem; `make
+// bench` runs them), besides those of fingerprint_test.go
+// (BenchmarkFingerprintJSON2KiB, BenchmarkCanonicalJSON), and the test
+// that a replay's allocations do not grow with the body beyond one copy.
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"runtime"
+	"strconv"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// discardWriter is a ResponseWriter that keeps nothing but its header map
+// (reused from request to request, as the handler clears it on replay).
+type discardWriter struct {
+	header http.Header
+	status int
+	n      int
+	keep   bool
+	kept   []byte
+}
+
+func (w *discardWriter) Header() http.Header    { return w.header }
+func (w *discardWriter) WriteHeader(status int) { w.status = status }
+func (w *discardWriter) Write(p []byte) (int, error) {
+	if w.keep {
+		w.kept = append(w.kept, p...)
+	}
+	w.n += len(p)
+	return len(p), nil
+}
+
+// rewindBody is a request body that is reset before each request, so
+// that the benchmark itself allocates nothing per request.
+type rewindBody struct{ *bytes.Reader }
+
+func (rewindBody) Close() error { return nil }
+
+// replayBench is a provisioned handler, with the memory store, and a
+// request that replays a key completed with a body of the given size.
+type replayBench struct {
+	h    *Handler
+	r    *http.Request
+	body *bytes.Reader
+	req  []byte
+	w    *discardWriter
+}
+
+func newReplayBench(tb testing.TB, respSize int, cache bool) *replayBench {
+	tb.Helper()
+	h := &Handler{PruneInterval: new(caddy.Duration)}
+	if !cache {
+		h.ReplayCache = new(int64)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	tb.Cleanup(cancel)
+	if err := h.Provision(ctx); err != nil {
+		tb.Fatal(err)
+	}
+	// Replays log a line each: encode it as production does, to nowhere.
+	h.logger = zap.New(zapcore.NewCore(
+		zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()), zapcore.AddSync(io.Discard), zapcore.InfoLevel))
+
+	reqBody := []byte(`{"amount":129900,"currency":"eur","customer":"cus_Q4mYf3kLx2","description":"Order 1001"}`)
+	b := &replayBench{
+		h:    h,
+		body: bytes.NewReader(reqBody),
+		req:  reqBody,
+		w:    &discardWriter{header: make(http.Header)},
+	}
+	repl := caddy.NewReplacer()
+	b.r = (&http.Request{
+		Method:        http.MethodPost,
+		URL:           &url.URL{Path: "/v1/charges"},
+		Proto:         "HTTP/1.1",
+		ProtoMajor:    1,
+		ProtoMinor:    1,
+		Header:        http.Header{},
+		Body:          rewindBody{b.body},
+		ContentLength: int64(len(reqBody)),
+	}).WithContext(context.WithValue(context.Background(), caddy.ReplacerCtxKey, repl))
+	key := "bench-" + randomHex(8)
+	setHeader := func() {
+		// Executing re-files the key header (hideKeyFromTransport).
+		b.r.Header = http.Header{
+			"Idempotency-Key": {key},
+			"Authorization":   {"Bearer sk_test_bench"},
+			"Content-Type":    {"application/json"},
+		}
+	}
+	setHeader()
+
+	// The first request executes and stores a response of respSize bytes.
+	respBody := bytes.Repeat([]byte("x"), respSize)
+	upstream := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if _, err := io.Copy(io.Discard, r.Body); err != nil {
+			return err
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.Header().Set("Content-Length", strconv.Itoa(len(respBody)))
+		w.WriteHeader(http.StatusCreated)
+		_, err := w.Write(respBody)
+		return err
+	})
+	if err := h.ServeHTTP(b.w, b.r, upstream); err != nil {
+		tb.Fatal(err)
+	}
+	if b.w.status != http.StatusCreated {
+		tb.Fatalf("first request: status %d", b.w.status)
+	}
+	b.r.Body = rewindBody{b.body}
+	setHeader()
+	return b
+}
+
+var errNextCalled = errors.New("a replay called the next handler")
+
+// replay serves one replay of the completed key.
+func (b *replayBench) replay() error {
+	b.body.Reset(b.req)
+	b.w.n, b.w.keep, b.w.kept = 0, true, b.w.kept[:0]
+	err := b.h.ServeHTTP(b.w, b.r, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		return errNextCalled
+	}))
+	if err != nil {
+		return err
+	}
+	if b.w.status != http.StatusCreated || b.w.header.Get("Idempotent-Replay") != "true" {
+		return fmt.Errorf("not a replay: status %d, header %v, body %q", b.w.status, b.w.header, b.w.kept)
+	}
+	return nil
+}
+
+// BenchmarkReplay replays a completed key from the replay cache (the
+// default) and from the memory store itself (replay_cache off).
+func BenchmarkReplay(b *testing.B) {
+	for _, from := range []string{"cache", "store"} {
+		for _, size := range []int{1 << 10, 64 << 10} {
+			b.Run(fmt.Sprintf("%s/%dKiB", from, size>>10), func(b *testing.B) {
+				rb := newReplayBench(b, size, from == "cache")
+				b.ReportAllocs()
+				b.SetBytes(int64(size))
+				for b.Loop() {
+					if err := rb.replay(); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestReplayAllocationsIndependentOfBodySize: a replay allocates as many
+// times for a 64 KiB body as for a 1 KiB one, and at most one more copy of
+// the body in bytes.
+func TestReplayAllocationsIndependentOfBodySize(t *testing.T) {
+	for _, from := range []string{"cache", "store"} {
+		t.Run(from, func(t *testing.T) { testReplayAllocations(t, from == "cache") })
+	}
+}
+
+func testReplayAllocations(t *testing.T, cache bool) {
+	measure := func(size int) (allocs float64, bytesPerRun uint64) {
+		rb := newReplayBench(t, size, cache)
+		run := func() {
+			if err := rb.replay(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		allocs = testing.AllocsPerRun(200, run)
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		const n = 200
+		for range n {
+			run()
+		}
+		runtime.ReadMemStats(&after)
+		return allocs, (after.TotalAlloc - before.TotalAlloc) / n
+	}
+	smallAllocs, smallBytes := measure(1 << 10)
+	bigAllocs, bigBytes := measure(64 << 10)
+	t.Logf("replay of 1 KiB: %.0f allocs, %d B; of 64 KiB: %.0f allocs, %d B", smallAllocs, smallBytes, bigAllocs, bigBytes)
+	if bigAllocs > smallAllocs {
+		t.Errorf("a 64 KiB replay allocates %.0f times, a 1 KiB one %.0f: allocations grow with the body", bigAllocs, smallAllocs)
+	}
+	// One copy of the extra 63 KiB, with room for size-class rounding,
+	// and none of the two copies that would mean copying twice.
+	if extra := int64(bigBytes) - int64(smallBytes); extra > (63<<10)*5/4 {
+		t.Errorf("a 64 KiB replay allocates %d bytes more than a 1 KiB one: more than one copy of the body", extra)
+	}
+}
+
+// BenchmarkRecorder records a 1 KiB response written in one piece, as
+// reverse_proxy writes a small upstream response, and builds the Response
+// that the store keeps.
+func BenchmarkRecorder(b *testing.B) {
+	body := bytes.Repeat([]byte("r"), 1<<10)
+	excluded := map[string]struct{}{}
+	for _, name := range alwaysExcluded {
+		excluded[http.CanonicalHeaderKey(name)] = struct{}{}
+	}
+	w := &discardWriter{header: make(http.Header)}
+	b.ReportAllocs()
+	b.SetBytes(int64(len(body)))
+	for b.Loop() {
+		clear(w.header)
+		h := w.header
+		h["Content-Type"] = []string{"application/json"}
+		h["Content-Length"] = []string{"1024"}
+		h["Date"] = []string{"Mon, 30 Nov 2026 12:00:00 GMT"}
+		rec := newRecorder(w, defaultMaxBody)
+		rec.WriteHeader(http.StatusOK)
+		_, _ = rec.Write(body)
+		if resp := rec.response(excluded); len(resp.Body) != len(body) {
+			b.Fatal("body not recorded")
+		}
+	}
+}
+
+// BenchmarkFirstExecution runs the first execution of a new key each time,
+// with the memory store, in front of a handler that answers 1 KiB: the
+// handler's own cost of executing and recording, without the network.
+func BenchmarkFirstExecution(b *testing.B) {
+	rb := newReplayBench(b, 1<<10, true)
+	respBody := bytes.Repeat([]byte("x"), 1<<10)
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		if _, err := io.Copy(io.Discard, r.Body); err != nil {
+			return err
+		}
+		h := w.Header()
+		h["Content-Type"] = []string{"application/json"}
+		h["Content-Length"] = []string{"1024"}
+		w.WriteHeader(http.StatusCreated)
+		_, err := w.Write(respBody)
+		return err
+	})
+	keys := make([]string, 0, 1<<16)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		if i == len(keys) {
+			b.StopTimer()
+			for range 1 << 12 {
+				keys = append(keys, "first-"+randomHex(8))
+			}
+			b.StartTimer()
+		}
+		rb.body.Reset(rb.req)
+		clear(rb.w.header)
+		rb.r.Header["Idempotency-Key"] = keys[i : i+1 : i+1]
+		delete(rb.r.Header, "idempotency-key")
+		i++
+		if err := rb.h.ServeHTTP(rb.w, rb.r, next); err != nil {
+			b.Fatal(err)
+		}
+		if rb.w.status != http.StatusCreated {
+			b.Fatalf("status %d", rb.w.status)
+		}
+	}
+}

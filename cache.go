@@ -1,0 +1,324 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// defaultReplayCache is the replay cache's size per handler. A recorded
+// response is typically a few KiB, so 4 MiB keeps the last thousand or
+// so replayable responses: enough for the retries that follow an outage
+// or a deploy, which are what repeats keys, and little next to the
+// per-request buffers (max_request_body and max_response_body, 1 MiB
+// each) that the handler may already hold 64 at a time.
+const defaultReplayCache = 4 << 20
+
+// cacheMaxEntryShare: an entry larger than capacity/cacheMaxEntryShare
+// is not cached, so that one large response cannot flush the rest.
+const cacheMaxEntryShare = 16
+
+// cacheEntryOverhead approximates what an entry costs besides its body,
+// headers and key: the entry, its map slot, the Record and Response.
+const cacheEntryOverhead = 320
+
+// cacheSkewMargin bounds how much earlier than its stored expiry an
+// entry learned from the store stops being served, as a fraction of the
+// retention (and at most cacheSkewMarginMax): the store's expiry is on
+// its own clock (Postgres's), and a replay must never be served once the
+// store would treat the record as absent.
+const (
+	cacheSkewMarginShare = 100
+	cacheSkewMarginMax   = time.Minute
+)
+
+// replayCache is a Store that keeps the most recently used completed,
+// replayable records of the store it wraps, so that a replay costs no
+// round trip. A completed record never changes until it expires (Acquire
+// only takes over expired records and stale in-progress ones), so a copy
+// is as good as the store's answer, until:
+//
+//   - it expires: entries are not served past the record's expiry, which
+//     is computed conservatively, on this process's monotonic clock;
+//   - an operator deletes it (`caddy idempotency release`): this
+//     instance's cache, like every other instance's, keeps replaying it
+//     until it expires or is evicted. Releasing a completed key is for
+//     support cases; restart or reload the instances if a deleted key
+//     must execute again at once.
+//
+// Entries are keyed by RecordKey, that is by credential hash and key, so
+// that one tenant never gets another's record. In-progress records are
+// never cached: their answer changes when they complete.
+//
+// The cache learns a record either from Acquire, when the store returns
+// a completed one, or from Complete of a record that this instance
+// created: it remembers each Acquire that created a record, by lock
+// token, until the record is completed, released or lost.
+//
+// Cached responses are shared between the requests that replay them and
+// must not be modified; the handler only reads them.
+type replayCache struct {
+	Store
+	capacity int64
+	// maxEntry is the largest entry kept: capacity/cacheMaxEntryShare.
+	maxEntry int64
+	now      func() time.Time
+
+	mu      sync.Mutex
+	entries map[RecordKey]*cacheEntry
+	// lru is the sentinel of a circular list, most recently used first.
+	lru  cacheEntry
+	size int64
+
+	pmu       sync.Mutex
+	pending   map[LockToken]pendingRecord
+	lastSweep time.Time
+}
+
+type cacheEntry struct {
+	key RecordKey
+	rec Record
+	// deadline is when the entry stops being served, on the local clock
+	// (with its monotonic reading): at or before the record's expiry.
+	deadline   time.Time
+	size       int64
+	prev, next *cacheEntry
+}
+
+// pendingRecord is what the cache knows of a record this instance
+// created and has not completed yet.
+type pendingRecord struct {
+	key         RecordKey
+	fingerprint [32]byte
+	method      string
+	path        string
+	// deadline is the local time of the Acquire plus the retention: the
+	// store set the expiry to its own now plus the retention, and its
+	// now came after this one.
+	deadline time.Time
+	created  time.Time
+}
+
+// newReplayCache wraps store in a cache of capacity bytes.
+func newReplayCache(store Store, capacity int64) *replayCache {
+	c := &replayCache{
+		Store:    store,
+		capacity: capacity,
+		maxEntry: capacity / cacheMaxEntryShare,
+		now:      time.Now,
+		entries:  make(map[RecordKey]*cacheEntry),
+		pending:  make(map[LockToken]pendingRecord),
+	}
+	c.lru.next, c.lru.prev = &c.lru, &c.lru
+	return c
+}
+
+// Acquire implements Store: a live cached record is answered at once, as
+// the store would answer it; anything else goes to the store.
+func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	now := c.now()
+	if rec := c.get(req.Key, now); rec != nil {
+		return AcquireResult{Outcome: OutcomeExisting, Record: rec}, nil
+	}
+	res, err := c.Store.Acquire(ctx, req)
+	if err != nil {
+		return res, err
+	}
+	switch res.Outcome {
+	case OutcomeExisting:
+		if rec := res.Record; rec != nil && rec.Status == StatusCompleted {
+			// The store's expiry is on its clock; a margin covers the
+			// skew between the two, and the retention bounds the entry
+			// whatever the store's clock says.
+			life := min(rec.ExpiresAt.Sub(now)-skewMargin(req.Retention), req.Retention)
+			c.put(req.Key, rec, now.Add(life), now)
+		}
+	case OutcomeCreated:
+		// A takeover is not remembered: whether it restarted the
+		// record's expiry depends on the store.
+		c.remember(req, now)
+	}
+	return res, err
+}
+
+// Complete implements Store, and caches the response of a record this
+// instance created.
+func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+	err := c.Store.Complete(ctx, key, token, resp)
+	if err != nil && !errors.Is(err, ErrLockLost) {
+		// The handler tries again: keep what a success will need.
+		return err
+	}
+	p, ok := c.forget(token)
+	if err != nil || !ok || p.key != key || resp == nil {
+		return err
+	}
+	now := c.now()
+	rec := &Record{
+		Status:      StatusCompleted,
+		Fingerprint: p.fingerprint,
+		Method:      p.method,
+		Path:        p.path,
+		CreatedAt:   p.created,
+		ExpiresAt:   p.deadline,
+		// The caller keeps its response; the cache keeps its own copy.
+		Response: copyCachedResponse(resp),
+	}
+	c.put(key, rec, p.deadline, now)
+	return nil
+}
+
+// Release implements Store.
+func (c *replayCache) Release(ctx context.Context, key RecordKey, token LockToken) error {
+	err := c.Store.Release(ctx, key, token)
+	c.forget(token)
+	return err
+}
+
+// Renew implements Store.
+func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+	err := c.Store.Renew(ctx, key, token)
+	if errors.Is(err, ErrLockLost) {
+		c.forget(token)
+	}
+	return err
+}
+
+// skewMargin is how long before the store's expiry an entry learned
+// from the store stops being served.
+func skewMargin(retention time.Duration) time.Duration {
+	return min(retention/cacheSkewMarginShare, cacheSkewMarginMax)
+}
+
+// get returns a copy of the live entry of key, most recently used from
+// now on, or nil.
+func (c *replayCache) get(key RecordKey, now time.Time) *Record {
+	c.mu.Lock()
+	e := c.entries[key]
+	if e == nil {
+		c.mu.Unlock()
+		return nil
+	}
+	if !now.Before(e.deadline) {
+		c.remove(e)
+		c.mu.Unlock()
+		return nil
+	}
+	c.unlink(e)
+	c.pushFront(e)
+	rec := e.rec
+	c.mu.Unlock()
+	return &rec
+}
+
+// put caches rec, a completed record, until deadline, if it is
+// replayable and not too large, evicting the least recently used entries
+// to make room.
+func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time) {
+	resp := rec.Response
+	if rec.Status != StatusCompleted || resp == nil || !resp.Replayable || !now.Before(deadline) {
+		return
+	}
+	size := cacheEntryOverhead + int64(len(key.Key)+len(rec.Method)+len(rec.Path)+len(resp.Body))
+	for name, values := range resp.Header {
+		size += int64(len(name))
+		for _, v := range values {
+			size += int64(len(v)) + 16
+		}
+	}
+	if size > c.maxEntry {
+		return
+	}
+	e := &cacheEntry{key: key, rec: *rec, deadline: deadline, size: size}
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old := c.entries[key]; old != nil {
+		c.remove(old)
+	}
+	c.entries[key] = e
+	c.pushFront(e)
+	c.size += size
+	for c.size > c.capacity {
+		c.remove(c.lru.prev)
+	}
+}
+
+// remove drops e; c.mu must be held.
+func (c *replayCache) remove(e *cacheEntry) {
+	c.unlink(e)
+	delete(c.entries, e.key)
+	c.size -= e.size
+}
+
+func (c *replayCache) unlink(e *cacheEntry) {
+	e.prev.next, e.next.prev = e.next, e.prev
+	e.prev, e.next = nil, nil
+}
+
+func (c *replayCache) pushFront(e *cacheEntry) {
+	e.prev, e.next = &c.lru, c.lru.next
+	c.lru.next.prev = e
+	c.lru.next = e
+}
+
+// cacheSweepInterval is how often the pending records are swept of those
+// whose requests never completed nor released them (a handler that
+// panicked, a Complete that failed for good).
+const cacheSweepInterval = time.Minute
+
+// remember notes the record that req created, until it is completed.
+func (c *replayCache) remember(req AcquireRequest, now time.Time) {
+	p := pendingRecord{
+		key:         req.Key,
+		fingerprint: req.Fingerprint,
+		method:      req.Method,
+		path:        req.Path,
+		deadline:    now.Add(req.Retention),
+		created:     now,
+	}
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	c.pending[req.Token] = p
+	if now.Sub(c.lastSweep) >= cacheSweepInterval {
+		c.lastSweep = now
+		// A record past its expiry would not be cached anyway.
+		for token, p := range c.pending {
+			if !now.Before(p.deadline) {
+				delete(c.pending, token)
+			}
+		}
+	}
+}
+
+// forget drops and returns what remember noted for token.
+func (c *replayCache) forget(token LockToken) (pendingRecord, bool) {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	p, ok := c.pending[token]
+	if ok {
+		delete(c.pending, token)
+	}
+	return p, ok
+}
+
+// copyCachedResponse copies resp for the cache, which must not share the
+// caller's buffers.
+func copyCachedResponse(resp *Response) *Response {
+	c := *resp
+	c.Body = bytes.Clone(resp.Body)
+	if c.Body == nil {
+		c.Body = []byte{}
+	}
+	c.Header = resp.Header.Clone()
+	if c.Header == nil {
+		c.Header = http.Header{}
+	}
+	return &c
+}
+
+// Interface guards
+var _ Store = (*replayCache)(nil)

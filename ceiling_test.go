@@ -1,0 +1,261 @@
+package idempotency
+
+// The store ceilings of the benchmark (bench/runner, `make bench`): the
+// exact statements of the Postgres store issued straight through pgx, at
+// the benchmark's concurrency, with no HTTP at all. They live in the
+// package's tests because they run the store's own SQL (postgresSQL),
+// which is not exported; the runner builds this test binary and runs
+// TestBenchCeiling with its settings in the environment. In an ordinary
+// `go test` run it is skipped.
+//
+//	IDEMPOTENCY_BENCH_CEILING  acquire_complete | lookup | replay_statement | preload | prune
+//	IDEMPOTENCY_BENCH_DSN, _TABLE, _CONCURRENCY, _DURATION, _WARMUP, _MAX_CONNS
+//	IDEMPOTENCY_BENCH_RUN, _KEYS, _CREDENTIAL   the keys (bench/load.Key) of the rows
+//	IDEMPOTENCY_BENCH_ROWS, _EXPIRED            preload: how many rows, expired or live
+//	IDEMPOTENCY_BENCH_OUT                       where to write the result, as JSON
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+
+	"github.com/caddy-idempotency/idempotency/bench/load"
+)
+
+func TestBenchCeiling(t *testing.T) {
+	mode := os.Getenv("IDEMPOTENCY_BENCH_CEILING")
+	if mode == "" {
+		t.Skip("run by the benchmark (make bench) only")
+	}
+	// Only this test runs in the benchmark's process: the statement
+	// counter of roundtrip_test.go must not cost the ceiling anything.
+	testQueryTracer = nil
+	benchCeiling(t, mode, func(name, def string) string {
+		if v := os.Getenv("IDEMPOTENCY_BENCH_" + name); v != "" {
+			return v
+		}
+		return def
+	})
+}
+
+// TestBenchCeilingSmoke runs every mode of the ceiling for a moment on a
+// table of its own, so that the benchmark's SQL paths cannot rot
+// unnoticed between benchmark runs.
+func TestBenchCeilingSmoke(t *testing.T) {
+	table := freshTable(t)
+	settings := map[string]string{
+		"DSN": testDSN(t), "TABLE": table, "RUN": "smoke000", "KEYS": "1",
+		"CONCURRENCY": "2", "WARMUP": "0s", "DURATION": "100ms", "ROWS": "300", "EXPIRED": "1",
+	}
+	for _, mode := range []string{"acquire_complete", "lookup", "replay_statement", "preload", "prune"} {
+		out := benchCeiling(t, mode, func(name, def string) string {
+			if v, ok := settings[name]; ok {
+				return v
+			}
+			return def
+		})
+		if res, ok := out["result"].(load.Result); ok && (res.Requests == 0 || res.Errors > 0) {
+			t.Errorf("%s: %d requests, %d errors (%s)", mode, res.Requests, res.Errors, res.FirstError)
+		}
+		if mode == "prune" && out["rows"].(int64) < 300 {
+			t.Errorf("pruned %v rows, want the 300 expired ones preloaded", out["rows"])
+		}
+	}
+}
+
+// benchCeiling runs mode with the settings env gives, and returns what
+// it measured (also written to the file OUT names, as JSON).
+func benchCeiling(t *testing.T, mode string, env func(name, def string) string) map[string]any {
+	envInt := func(name string, def int) int {
+		n, err := strconv.Atoi(env(name, strconv.Itoa(def)))
+		if err != nil {
+			t.Fatalf("IDEMPOTENCY_BENCH_%s: %v", name, err)
+		}
+		return n
+	}
+	envDur := func(name string, def time.Duration) time.Duration {
+		d, err := time.ParseDuration(env(name, def.String()))
+		if err != nil {
+			t.Fatalf("IDEMPOTENCY_BENCH_%s: %v", name, err)
+		}
+		return d
+	}
+	concurrency := envInt("CONCURRENCY", 32)
+	cfg := load.Config{
+		Concurrency: concurrency,
+		Warmup:      envDur("WARMUP", 2*time.Second),
+		Duration:    envDur("DURATION", 10*time.Second),
+	}
+	s := &PostgresStore{
+		DSN:      env("DSN", defaultTestDSN),
+		Table:    env("TABLE", "bench_ceiling"),
+		MaxConns: int32(envInt("MAX_CONNS", max(concurrency, int(defaultMaxConns())))),
+	}
+	pctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := s.Provision(pctx); err != nil {
+		t.Fatalf("provisioning the store: %v", err)
+	}
+	defer s.Cleanup()
+
+	run := env("RUN", "ceiling0")
+	credHash := sha256.Sum256([]byte(env("CREDENTIAL", "Bearer sk_test_bench_tenant_0001")))
+	keys := int64(envInt("KEYS", 1000))
+	ctx := context.Background()
+
+	// The response the upstream gives, as the handler would store it.
+	resp := &Response{
+		Status: http.StatusOK,
+		Header: http.Header{
+			"Content-Type":   {"application/json"},
+			"Content-Length": {strconv.Itoa(load.ResponseBodySize)},
+			"Date":           {time.Now().UTC().Format(http.TimeFormat)},
+		},
+		Body:       load.ResponseBody(load.ResponseBodySize),
+		Replayable: true,
+		BodySize:   load.ResponseBodySize,
+	}
+	request := func(key string) AcquireRequest {
+		return AcquireRequest{
+			Key:         RecordKey{CredentialHash: credHash, Key: key},
+			Token:       newLockToken(),
+			Fingerprint: sha256.Sum256([]byte(key)),
+			Method:      http.MethodPost,
+			Path:        "/v1/charges",
+			LockTimeout: defaultLockTimeout,
+			Retention:   defaultRetention,
+		}
+	}
+
+	var (
+		res load.Result
+		err error
+		out = map[string]any{"mode": mode, "max_conns": s.MaxConns, "concurrency": concurrency}
+	)
+	switch mode {
+	case "acquire_complete":
+		// A first execution's two statements, on a new key each time.
+		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
+			return func(ctx context.Context, seq int64) error {
+				req := request(load.Key(run, seq))
+				acq, err := s.Acquire(ctx, req)
+				if err != nil {
+					return err
+				}
+				if acq.Outcome != OutcomeCreated {
+					return fmt.Errorf("acquire: outcome %d, want created", acq.Outcome)
+				}
+				return s.Complete(ctx, req.Key, req.Token, resp)
+			}, nil
+		})
+	case "lookup":
+		// The primary-key lookup of a completed record: the statement a
+		// replay cannot do without.
+		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
+			return func(ctx context.Context, seq int64) error {
+				return lookupOnce(ctx, s, RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)})
+			}, nil
+		})
+	case "replay_statement":
+		// What the handler sends for a replay: Acquire on a completed key.
+		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
+			return func(ctx context.Context, seq int64) error {
+				acq, err := s.Acquire(ctx, request(load.Key(run, seq%keys)))
+				if err != nil {
+					return err
+				}
+				if acq.Outcome != OutcomeExisting || acq.Record.Status != StatusCompleted {
+					return fmt.Errorf("acquire: outcome %d, want a completed record", acq.Outcome)
+				}
+				return nil
+			}, nil
+		})
+	case "preload":
+		n := envInt("ROWS", 1_000_000)
+		start := time.Now()
+		err = benchPreload(ctx, s, n, env("EXPIRED", "") == "1", resp)
+		out["rows"] = n
+		out["seconds"] = time.Since(start).Seconds()
+	case "prune":
+		start := time.Now()
+		var total int64
+		total, err = s.Prune(ctx, pruneBatchSize)
+		out["rows"] = total
+		out["seconds"] = time.Since(start).Seconds()
+	default:
+		t.Fatalf("IDEMPOTENCY_BENCH_CEILING=%q: want acquire_complete, lookup, replay_statement, preload or prune", mode)
+	}
+	if err != nil {
+		t.Fatalf("%s: %v", mode, err)
+	}
+	if res.Requests > 0 || res.Errors > 0 {
+		out["result"] = res
+	}
+	data, _ := json.Marshal(out)
+	if path := env("OUT", ""); path != "" {
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("%s", data)
+	return out
+}
+
+// lookupOnce runs the store's lookup statement for key and scans what a
+// replay needs.
+func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
+	var (
+		status, method, path  string
+		fingerprint           []byte
+		createdAt, expiresAt  time.Time
+		lockedAt              *time.Time
+		respStatus            *int32
+		respHeaders, respBody []byte
+		replayable            *bool
+		respSize              *int64
+	)
+	err := s.pool.QueryRow(ctx, s.sql.lookup, key.CredentialHash[:], key.Key).Scan(
+		&status, &fingerprint, &method, &path, &createdAt, &expiresAt,
+		&lockedAt, &respStatus, &respHeaders, &respBody, &replayable, &respSize)
+	if err != nil {
+		return fmt.Errorf("lookup %s: %w", key.Key, err)
+	}
+	return nil
+}
+
+// benchPreload inserts n completed records with generate_series, in
+// batches, live (expiring in a day) or already expired.
+func benchPreload(ctx context.Context, s *PostgresStore, n int, expired bool, resp *Response) error {
+	headers, err := json.Marshal(resp.Header)
+	if err != nil {
+		return err
+	}
+	expires := "now() + interval '1 day'"
+	if expired {
+		expires = "now() - interval '1 hour'"
+	}
+	nonce := strconv.FormatInt(time.Now().UnixNano(), 36)
+	const batch = 250_000
+	for from := 0; from < n; from += batch {
+		to := min(from+batch, n) - 1
+		_, err := s.pool.Exec(ctx, fmt.Sprintf(`INSERT INTO %s (credential_hash, key, fingerprint, method, path, status,
+	created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
+SELECT sha256(('preload-tenant-' || (i %% 1000))::bytea), 'preload-%s-' || i, sha256(i::text::bytea), 'POST', '/v1/charges',
+	'completed', now(), %s, 200, $1::jsonb, $2::bytea, true, octet_length($2::bytea)
+FROM generate_series($3::int, $4::int) AS i`, s.table.quoted(), nonce, expires),
+			headers, resp.Body, from, to)
+		if err != nil {
+			return err
+		}
+	}
+	_, err = s.pool.Exec(ctx, "ANALYZE "+s.table.quoted())
+	return err
+}

@@ -1,0 +1,501 @@
+package idempotency
+
+// The operator CLI, `caddy idempotency migrate|prune|inspect|release`.
+// It is a Caddy subcommand, registered by this package, so every binary
+// built with the module has it: xcaddy builds and ./cmd/caddy alike. It
+// works on the Postgres store only; the memory store lives and dies with
+// its Caddy process.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+)
+
+// Exit codes of `caddy idempotency`.
+const (
+	exitOK       = 0
+	exitError    = 1 // the database failed, or refused the change
+	exitUsage    = 2 // bad flags or arguments: nothing was done
+	exitNotFound = 3 // inspect or release: no such record
+)
+
+// cliListLimit bounds how many records inspect lists for one key and
+// credential id prefix.
+const cliListLimit = 20
+
+func init() {
+	caddycmd.RegisterCommand(caddycmd.Command{
+		Name:  "idempotency",
+		Usage: "migrate|prune|inspect|release [--dsn <connection string>] [--table <name>] ...",
+		Short: "Operates the Postgres store of the idempotency handler",
+		Long: `
+Operates the Postgres store of the idempotency handler (http.handlers.idempotency):
+
+  migrate   applies the embedded schema migrations (for stores with "migrate off")
+  prune     deletes expired records, in batches
+  inspect   shows the record of a key for a credential
+  release   deletes a stuck in-progress record, so that its key can be retried
+
+The database is --dsn, or else the environment variable IDEMPOTENCY_DSN, or
+else DATABASE_URL. --table is the store's table (default idempotency_keys).
+
+A credential is named by --credential-id, the hex prefix of its SHA-256 that
+the handler's log lines print as credential_id, or by --credential, its raw
+value (for example "Bearer sk_live_..."), which is hashed here and sent
+nowhere.
+
+Exit codes: 0 done; 1 error (database unreachable, or the change refused);
+2 usage error (nothing was done); 3 no such record (inspect, release).`,
+		CobraFunc: func(cmd *cobra.Command) {
+			pf := cmd.PersistentFlags()
+			pf.String("dsn", "", "Postgres connection string (default $IDEMPOTENCY_DSN, then $DATABASE_URL)")
+			pf.String("table", defaultTable, "the store's table, as its table option")
+			cmd.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+				return cliUsageError(c, err)
+			})
+			cmd.RunE = func(c *cobra.Command, args []string) error {
+				if len(args) > 0 {
+					return cliUsageError(c, fmt.Errorf("unknown subcommand %q: want migrate, prune, inspect or release", args[0]))
+				}
+				return cliUsageError(c, errors.New("a subcommand is required: migrate, prune, inspect or release"))
+			}
+			cmd.AddCommand(cliMigrateCmd(), cliPruneCmd(), cliInspectCmd(), cliReleaseCmd())
+		},
+	})
+}
+
+// cliUsageError ends a command with exit code 2. It goes through Caddy's
+// wrapper, which logs the error and carries the code to caddycmd.Main.
+func cliUsageError(c *cobra.Command, err error) error {
+	return caddycmd.WrapCommandFuncForCobra(func(caddycmd.Flags) (int, error) {
+		return exitUsage, fmt.Errorf("%w (see %s --help)", err, c.CommandPath())
+	})(c, nil)
+}
+
+// cliRunE adapts a subcommand to cobra: positional arguments are a usage
+// error, the exit code goes to caddycmd.Main, and SIGINT stops the work
+// cleanly (prune gives its lock back).
+func cliRunE(run func(ctx context.Context, fl caddycmd.Flags, in io.Reader, out io.Writer) (int, error)) func(*cobra.Command, []string) error {
+	return func(c *cobra.Command, args []string) error {
+		if len(args) > 0 {
+			return cliUsageError(c, fmt.Errorf("unexpected argument %q", args[0]))
+		}
+		return caddycmd.WrapCommandFuncForCobra(func(fl caddycmd.Flags) (int, error) {
+			ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return run(ctx, fl, c.InOrStdin(), c.OutOrStdout())
+		})(c, args)
+	}
+}
+
+func cliMigrateCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "migrate",
+		Short: "Applies the embedded schema migrations to the table",
+		Long: `Applies the embedded schema migrations that the table has not had yet, under
+the same advisory lock as Caddy's own start-up migration, so it is safe while
+Caddy instances run. Needed when the store says "migrate off".`,
+		RunE: cliRunE(func(ctx context.Context, fl caddycmd.Flags, _ io.Reader, out io.Writer) (int, error) {
+			db, code, err := cliOpen(ctx, fl)
+			if err != nil {
+				return code, err
+			}
+			defer db.pool.Close()
+			n, err := Migrate(ctx, db.pool, db.table.String())
+			if err != nil {
+				return exitError, err
+			}
+			fmt.Fprintf(out, "%s: applied %d migration(s); the schema is up to date\n", db.table, n)
+			return exitOK, nil
+		}),
+	}
+}
+
+func cliPruneCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "prune",
+		Short: "Deletes expired records",
+		Long: `Deletes the records past their retention, in batches, under the same
+advisory lock as the handlers' own pruning: if an instance is pruning the
+table at the moment, this one says so and does nothing.`,
+		RunE: cliRunE(func(ctx context.Context, fl caddycmd.Flags, _ io.Reader, out io.Writer) (int, error) {
+			batch, err := fl.GetInt("batch")
+			if err != nil || batch <= 0 {
+				return exitUsage, fmt.Errorf("--batch must be a positive number of rows")
+			}
+			db, code, err := cliOpen(ctx, fl)
+			if err != nil {
+				return code, err
+			}
+			defer db.pool.Close()
+			s := &PostgresStore{pool: db.pool, table: db.table, sql: newPostgresSQL(db.table.quoted())}
+			n, locked, err := s.prune(ctx, batch)
+			if err != nil {
+				return exitError, db.explain(fmt.Errorf("pruned %d record(s), then: %w", n, err))
+			}
+			if !locked {
+				fmt.Fprintf(out, "%s: another instance is pruning this table right now; nothing done\n", db.table)
+				return exitOK, nil
+			}
+			fmt.Fprintf(out, "%s: pruned %d expired record(s)\n", db.table, n)
+			return exitOK, nil
+		}),
+	}
+	cmd.Flags().Int("batch", pruneBatchSize, "rows deleted per statement")
+	return cmd
+}
+
+func cliInspectCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "inspect --key <key> --credential-id <hex> | --credential <value>",
+		Short: "Shows the record of a key for a credential",
+		Long: `Shows the record of a key for a credential: its status, the request it
+belongs to, when it was created and expires, and its response's status and
+sizes. A credential id (the credential_id of log lines) is a prefix: every
+record of the key whose credential hash starts with it is shown.`,
+		RunE: cliRunE(func(ctx context.Context, fl caddycmd.Flags, in io.Reader, out io.Writer) (int, error) {
+			target, err := cliParseTarget(fl, in)
+			if err != nil {
+				return exitUsage, err
+			}
+			db, code, err := cliOpen(ctx, fl)
+			if err != nil {
+				return code, err
+			}
+			defer db.pool.Close()
+			recs, err := db.find(ctx, target)
+			if err != nil {
+				return exitError, err
+			}
+			if len(recs) == 0 {
+				return exitNotFound, target.notFound(db.table)
+			}
+			if fl.Bool("json") {
+				enc := json.NewEncoder(out)
+				enc.SetIndent("", "  ")
+				return exitOK, enc.Encode(recs)
+			}
+			for i, rec := range recs {
+				if i > 0 {
+					fmt.Fprintln(out)
+				}
+				rec.print(out)
+			}
+			if len(recs) > 1 {
+				fmt.Fprintf(out, "\n%d credentials match credential id %s; release needs a longer --credential-id (a credential_hash above) or --credential\n",
+					len(recs), target.id)
+			}
+			return exitOK, nil
+		}),
+	}
+	cliTargetFlags(cmd)
+	cmd.Flags().Bool("json", false, "print the records as JSON")
+	return cmd
+}
+
+func cliReleaseCmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "release --key <key> --credential-id <hex> | --credential <value> [--force]",
+		Short: "Deletes a stuck in-progress record, so that its key can be retried",
+		Long: `Deletes the in-progress record of a key for a credential, so that the
+client's next request with that key executes instead of getting 409 until
+the lock times out. Use it for a record whose request will never finish.
+If its request is in fact still running, its response will not be stored
+(its completion fails with idempotency.lock_lost) and a retry executes the
+request again: check the lock age with inspect first.
+
+A completed record is kept unless --force: deleting it means that the next
+request with its key executes again instead of being replayed.`,
+		RunE: cliRunE(func(ctx context.Context, fl caddycmd.Flags, in io.Reader, out io.Writer) (int, error) {
+			target, err := cliParseTarget(fl, in)
+			if err != nil {
+				return exitUsage, err
+			}
+			db, code, err := cliOpen(ctx, fl)
+			if err != nil {
+				return code, err
+			}
+			defer db.pool.Close()
+			return db.release(ctx, target, fl.Bool("force"), out)
+		}),
+	}
+	cliTargetFlags(cmd)
+	cmd.Flags().Bool("force", false, "delete the record even if it is completed")
+	return cmd
+}
+
+func cliTargetFlags(cmd *cobra.Command) {
+	cmd.Flags().String("key", "", "the Idempotency-Key, as the client sent it")
+	cmd.Flags().String("credential-id", "", "the credential_id of the log lines: a hex prefix of the credential's SHA-256, 12 to 64 digits")
+	cmd.Flags().String("credential", "", "the raw credential (e.g. the Authorization value), or - to read it from stdin; hashed here, sent nowhere")
+}
+
+// cliTarget names the records of one key whose credential hash starts
+// with prefix.
+type cliTarget struct {
+	key    string
+	prefix []byte
+	id     string // the prefix as the operator wrote it, for messages
+}
+
+func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
+	raw := fl.String("key")
+	if raw == "" {
+		return cliTarget{}, errors.New("--key is required")
+	}
+	key, err := parseKey(raw)
+	if err != nil {
+		return cliTarget{}, fmt.Errorf("--key: %v", err)
+	}
+	id, credential := fl.String("credential-id"), fl.String("credential")
+	switch {
+	case id != "" && credential != "":
+		return cliTarget{}, errors.New("give --credential-id or --credential, not both")
+	case credential != "":
+		if credential == "-" {
+			// A secret on the command line ends up in the shell's
+			// history and in every user's view of the process list.
+			line, err := bufio.NewReader(stdin).ReadString('\n')
+			if err != nil && !(errors.Is(err, io.EOF) && line != "") {
+				return cliTarget{}, fmt.Errorf("--credential -: reading the credential from stdin: %v", err)
+			}
+			credential = strings.TrimRight(line, "\r\n")
+		}
+		sum := sha256.Sum256([]byte(credential))
+		return cliTarget{key: key, prefix: sum[:], id: hex.EncodeToString(sum[:6])}, nil
+	case id != "":
+		prefix, err := hex.DecodeString(id)
+		if err != nil || len(prefix) < 6 || len(prefix) > sha256.Size {
+			return cliTarget{}, fmt.Errorf("--credential-id %q: want 12 to 64 hex digits, an even number (the credential_id of the log lines)", id)
+		}
+		return cliTarget{key: key, prefix: prefix, id: strings.ToLower(id)}, nil
+	default:
+		return cliTarget{}, errors.New("--credential-id (as the log lines print it) or --credential is required")
+	}
+}
+
+func (t cliTarget) notFound(table tableName) error {
+	return fmt.Errorf("%s: no record of key %q for credential id %s", table, t.key, t.id)
+}
+
+// prefixEnd returns the smallest byte string greater than every string
+// that starts with p, or nil if there is none (p is all 0xff): with p, the
+// bounds of a range that the primary key's index can scan.
+func prefixEnd(p []byte) []byte {
+	end := bytes.Clone(p)
+	for i := len(end) - 1; i >= 0; i-- {
+		if end[i] < 0xff {
+			end[i]++
+			return end[:i+1]
+		}
+	}
+	return nil
+}
+
+// cliDB is an open connection to the store's table.
+type cliDB struct {
+	pool  *pgxpool.Pool
+	table tableName
+}
+
+// cliOpen connects to the database that the flags or the environment
+// name. Its errors come with their exit code.
+func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
+	table, err := parseTableName(fl.String("table"))
+	if err != nil {
+		return nil, exitUsage, fmt.Errorf("--table: %v", err)
+	}
+	dsn := fl.String("dsn")
+	for _, env := range []string{"IDEMPOTENCY_DSN", "DATABASE_URL"} {
+		if dsn == "" {
+			dsn = os.Getenv(env)
+		}
+	}
+	if dsn == "" {
+		return nil, exitUsage, errors.New("no database: pass --dsn, or set IDEMPOTENCY_DSN or DATABASE_URL")
+	}
+	cfg, err := pgxpool.ParseConfig(dsn)
+	if err != nil {
+		// pgx's parse errors quote the DSN, password included.
+		return nil, exitUsage, errors.New("the DSN is not a valid Postgres connection string")
+	}
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-idempotency-cli"
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
+	}
+	return &cliDB{pool: pool, table: table}, exitOK, nil
+}
+
+// explain rewords the error of a table that does not exist.
+func (db *cliDB) explain(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+		return fmt.Errorf("table %s does not exist: create it with `caddy idempotency migrate --table %s`", db.table, db.table)
+	}
+	return err
+}
+
+// cliRecord is a record as inspect shows it.
+type cliRecord struct {
+	CredentialHash string     `json:"credential_hash"`
+	CredentialID   string     `json:"credential_id"`
+	Key            string     `json:"key"`
+	Status         string     `json:"status"`
+	Expired        bool       `json:"expired"`
+	Method         string     `json:"method"`
+	Path           string     `json:"path"`
+	Created        time.Time  `json:"created"`
+	Expires        time.Time  `json:"expires"`
+	Locked         *time.Time `json:"locked,omitempty"`
+	ResponseStatus *int32     `json:"response_status,omitempty"`
+	Replayable     *bool      `json:"replayable,omitempty"`
+	// BodySize is the size of the original response body; StoredBody
+	// and StoredHeaders are what the record holds.
+	BodySize      *int64 `json:"response_body_size,omitempty"`
+	StoredBody    *int32 `json:"stored_body_bytes,omitempty"`
+	StoredHeaders *int32 `json:"stored_headers_bytes,omitempty"`
+
+	now      time.Time // the database's, for ages
+	credHash []byte
+}
+
+func (db *cliDB) find(ctx context.Context, t cliTarget) ([]*cliRecord, error) {
+	rows, err := db.pool.Query(ctx, `SELECT credential_hash, status, method, path, created_at, expires_at,
+	expires_at <= now(), locked_at, response_status, replayable, response_size,
+	octet_length(response_body), octet_length(response_headers::text), now()
+FROM `+db.table.quoted()+`
+WHERE key = $1 AND credential_hash >= $2 AND ($3::bytea IS NULL OR credential_hash < $3)
+ORDER BY credential_hash
+LIMIT `+fmt.Sprint(cliListLimit), t.key, t.prefix, prefixEnd(t.prefix))
+	if err != nil {
+		return nil, db.explain(err)
+	}
+	recs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (*cliRecord, error) {
+		r := &cliRecord{Key: t.key}
+		err := row.Scan(&r.credHash, &r.Status, &r.Method, &r.Path, &r.Created, &r.Expires,
+			&r.Expired, &r.Locked, &r.ResponseStatus, &r.Replayable, &r.BodySize,
+			&r.StoredBody, &r.StoredHeaders, &r.now)
+		r.CredentialHash = hex.EncodeToString(r.credHash)
+		r.CredentialID = r.CredentialHash[:12]
+		r.Created, r.Expires, r.now = r.Created.UTC(), r.Expires.UTC(), r.now.UTC()
+		if r.Locked != nil {
+			l := r.Locked.UTC()
+			r.Locked = &l
+		}
+		return r, err
+	})
+	return recs, db.explain(err)
+}
+
+func (r *cliRecord) print(w io.Writer) {
+	ago := func(t time.Time) string { return r.now.Sub(t).Round(time.Second).String() }
+	status := r.Status
+	if r.Locked != nil {
+		status += fmt.Sprintf(", locked %s ago", ago(*r.Locked))
+	}
+	if r.Expired {
+		status += " (expired: treated as absent, awaiting pruning)"
+	}
+	fmt.Fprintf(w, "key:              %s\n", r.Key)
+	fmt.Fprintf(w, "credential id:    %s\n", r.CredentialID)
+	fmt.Fprintf(w, "credential hash:  %s\n", r.CredentialHash)
+	fmt.Fprintf(w, "status:           %s\n", status)
+	fmt.Fprintf(w, "request:          %s %s\n", r.Method, r.Path)
+	fmt.Fprintf(w, "created:          %s (%s ago)\n", r.Created.Format(time.RFC3339), ago(r.Created))
+	fmt.Fprintf(w, "expires:          %s (in %s)\n", r.Expires.Format(time.RFC3339), r.Expires.Sub(r.now).Round(time.Second))
+	if r.ResponseStatus == nil {
+		fmt.Fprintf(w, "response:         none yet\n")
+		return
+	}
+	var body string
+	switch {
+	case r.Replayable != nil && *r.Replayable && r.StoredBody != nil:
+		body = fmt.Sprintf("%d bytes, stored: replayable", *r.StoredBody)
+	case r.BodySize != nil:
+		body = fmt.Sprintf("%d bytes, too large to store: not replayable", *r.BodySize)
+	default:
+		body = "not stored: not replayable"
+	}
+	headers := 0
+	if r.StoredHeaders != nil {
+		headers = int(*r.StoredHeaders)
+	}
+	fmt.Fprintf(w, "response:         %d; body %s; headers %d bytes stored\n", *r.ResponseStatus, body, headers)
+}
+
+func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Writer) (int, error) {
+	recs, err := db.find(ctx, t)
+	if err != nil {
+		return exitError, err
+	}
+	switch {
+	case len(recs) == 0:
+		return exitNotFound, t.notFound(db.table)
+	case len(recs) > 1:
+		return exitError, fmt.Errorf("credential id %s matches %d credentials with key %q; nothing deleted: pass a longer --credential-id (see inspect) or --credential",
+			t.id, len(recs), t.key)
+	}
+	rec := recs[0]
+	if rec.Status != string(StatusInProgress) && !force {
+		return exitError, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (--force deletes it, and the next request with the key executes again)",
+			t.key, rec.Status)
+	}
+
+	// The NOTIFY wakes the requests of handlers with `wait` that wait
+	// on this record, so that one of them executes at once.
+	var rk RecordKey
+	copy(rk.CredentialHash[:], rec.credHash)
+	rk.Key = t.key
+	tx, err := db.pool.Begin(ctx)
+	if err != nil {
+		return exitError, err
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }() // a no-op once committed
+	stmt := `DELETE FROM ` + db.table.quoted() + ` WHERE credential_hash = $1 AND key = $2`
+	if !force {
+		stmt += ` AND status = 'in_progress'`
+	}
+	tag, err := tx.Exec(ctx, stmt, rec.credHash, t.key)
+	if err != nil {
+		return exitError, db.explain(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return exitError, fmt.Errorf("the record of key %q changed meanwhile (completed or released); nothing deleted: inspect it again", t.key)
+	}
+	if _, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel(db.table), notifyPayload(rk)); err != nil {
+		return exitError, err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return exitError, err
+	}
+	fmt.Fprintf(out, "%s: released key %q for credential id %s: deleted its %s record; the next request with this key executes\n",
+		db.table, t.key, rec.CredentialID, rec.Status)
+	return exitOK, nil
+}

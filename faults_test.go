@@ -1,0 +1,565 @@
+package idempotency
+
+// Faults, one test each: the database unreachable or its connections
+// killed under load, a Caddy instance killed with SIGKILL mid-request, a
+// client hanging up mid-response, and config reloads under load. Each
+// checks the upstream's ledger: whatever fails, nothing executes twice.
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/url"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// throughForwarder returns dsn with its host replaced by the forwarder's.
+func throughForwarder(t *testing.T, dsn string, f *tcpForwarder) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Host = f.Addr()
+	q := u.Query()
+	q.Set("connect_timeout", "2")
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+// postgresAddr is the host:port of a DSN URL.
+func postgresAddr(t *testing.T, dsn string) string {
+	t.Helper()
+	u, err := url.Parse(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u.Host
+}
+
+// outcome sends c until it gets an answer that is not transient (409 in
+// progress, 503 store unavailable, a transport error), as a client that
+// honours the protocol does, and returns it with the number of transient
+// answers it met on the way.
+func outcome(ctx context.Context, s *site, c call) (reply, int, error) {
+	transient := 0
+	for {
+		r, err := s.DoCtx(ctx, c)
+		switch pt := problemType(r); {
+		case err != nil && ctx.Err() != nil:
+			return reply{}, transient, err
+		case err == nil && pt != "in-progress" && pt != "store-unavailable":
+			return r, transient, nil
+		}
+		transient++
+		ctxSleep(ctx, 50*time.Millisecond)
+	}
+}
+
+// Postgres unreachable mid-traffic: requests fail closed (503 with
+// Retry-After, the upstream not called) and service comes back by itself
+// once the database is reachable again, without restarting Caddy.
+func TestFaultPostgresUnreachable(t *testing.T) {
+	sb := postgresBackend(t)
+	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	up := newUpstream(t)
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: throughForwarder(t, sb.DSN, fwd), Table: sb.Table},
+		up.Addr(), "retry_after 1s", "lock_timeout 2s")
+
+	type sent struct {
+		c        call
+		at, done time.Time
+		reply    reply
+		err      error
+	}
+	var (
+		mu   sync.Mutex
+		log  []sent
+		stop = make(chan struct{})
+		wg   sync.WaitGroup
+	)
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c := call{Key: newKey(), Body: payBody()}
+				at := time.Now()
+				r, err := s.DoCtx(context.Background(), c)
+				mu.Lock()
+				log = append(log, sent{c: c, at: at, done: time.Now(), reply: r, err: err})
+				mu.Unlock()
+				time.Sleep(10 * time.Millisecond)
+			}
+		}()
+	}
+	waitFor(t, 10*time.Second, "traffic to flow", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(log) >= 20
+	})
+	fwd.Cut()
+	cutAt := time.Now()
+	time.Sleep(1500 * time.Millisecond)
+	fwd.Restore()
+	restoredAt := time.Now()
+	time.Sleep(2500 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+
+	executed := make(map[string]int)
+	for _, e := range up.Executions() {
+		executed[e.Key]++
+	}
+	sort.Slice(log, func(i, j int) bool { return log[i].at.Before(log[j].at) })
+	var before, during, refused, after int
+	var recovered time.Time
+	for _, l := range log {
+		key := l.c.Key
+		if l.err != nil {
+			t.Errorf("request sent %v after the cut: %v", l.at.Sub(cutAt), l.err)
+			continue
+		}
+		if executed[key] > 1 {
+			t.Errorf("%s executed %d times", key, executed[key])
+		}
+		if l.reply.Status == http.StatusServiceUnavailable {
+			refused++
+			wantProblem(t, l.reply, http.StatusServiceUnavailable)
+			wantRetryAfter(t, l.reply)
+			if executed[key] != 0 {
+				t.Errorf("%s got 503, but the upstream executed it", key)
+			}
+		}
+		switch {
+		case l.done.Before(cutAt):
+			before++
+		case l.at.After(cutAt) && l.done.Before(restoredAt):
+			// Sent and answered while the database was unreachable.
+			during++
+			if l.reply.Status != http.StatusServiceUnavailable {
+				t.Errorf("sent %v into the outage: got %s, want 503", l.at.Sub(cutAt), l.reply)
+			}
+		case l.at.After(restoredAt):
+			after++
+			if l.reply.Status == http.StatusCreated && recovered.IsZero() {
+				recovered = l.at
+			}
+			if !recovered.IsZero() && l.reply.Status != http.StatusCreated {
+				t.Errorf("sent %v after recovery: got %s", l.at.Sub(recovered), l.reply)
+			}
+		}
+	}
+	t.Logf("%d requests before the cut, %d during (%d refused in all), %d after; recovered %v after the restore",
+		before, during, refused, after, recovered.Sub(restoredAt).Round(time.Millisecond))
+	if before == 0 || during == 0 || recovered.IsZero() {
+		t.Fatalf("the traffic did not span the outage and the recovery (recovered: %v)", !recovered.IsZero())
+	}
+	if d := recovered.Sub(restoredAt); d > 2*time.Second {
+		t.Errorf("service came back %v after the database did", d)
+	}
+	// A refused key never executed: its retry executes it, once (after
+	// lock_timeout, if the refused acquire had committed all the same,
+	// its answer lost with the connection).
+	for _, l := range log {
+		if l.err != nil || l.reply.Status != http.StatusServiceUnavailable {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		r, _, err := outcome(ctx, s, l.c)
+		cancel()
+		if err != nil || r.Status != http.StatusCreated || r.replayed() {
+			t.Errorf("retry of refused key %s: %s, %v; want a first execution", l.c.Key, r, err)
+		}
+		break
+	}
+}
+
+// Connections killed under load (pg_terminate_backend, as a database
+// restart or a failover does to them): requests fail closed while it
+// lasts, no key executes twice, and service recovers without a restart.
+func TestFaultPostgresConnectionsKilled(t *testing.T) {
+	sb := postgresBackend(t)
+	app := "idem_kill_" + randomHex(4)
+	up := newUpstream(t)
+	// A completion is retried while its lock is younger than
+	// lock_timeout: a few kills of every connection leave it time.
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: withApplicationName(sb.DSN, app), Table: sb.Table},
+		up.Addr(), "retry_after 1s", "lock_timeout 3s")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	// The killer's own connection has another application_name.
+	killer, err := pgx.Connect(ctx, sb.DSN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer killer.Close(context.Background())
+	killerDone := make(chan int)
+	stopKiller := make(chan struct{})
+	go func() {
+		killed := 0
+		defer func() { killerDone <- killed }()
+		for first := true; ; first = false {
+			if !first {
+				select {
+				case <-stopKiller:
+					return
+				case <-time.After(500 * time.Millisecond):
+				}
+			}
+			var n int
+			if err := killer.QueryRow(ctx, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "+
+				"FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+				t.Errorf("killing connections: %v", err)
+				return
+			}
+			killed += n
+		}
+	}()
+
+	const keys, clients = 100, 2
+	var transient atomic.Int64
+	answers := make([][clients]reply, keys)
+	bodies := make([][]byte, keys)
+	callOf := func(i int) call {
+		return call{Key: fmt.Sprintf("kill-%s-%04d", app, i), Body: bodies[i],
+			Header: sleepFor(time.Duration(i%7) * 25 * time.Millisecond)}
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 16)
+	for i := range keys {
+		bodies[i] = payBody()
+		for c := range clients {
+			wg.Add(1)
+			sem <- struct{}{}
+			go func() {
+				defer wg.Done()
+				defer func() { <-sem }()
+				r, n, err := outcome(ctx, s, callOf(i))
+				if err != nil {
+					t.Errorf("key %d client %d: %v", i, c, err)
+				}
+				transient.Add(int64(n))
+				answers[i][c] = r
+			}()
+		}
+	}
+	wg.Wait()
+	close(stopKiller)
+	killed := <-killerDone
+
+	// Service recovers by itself: after a first failure on each
+	// connection the pool may still hold from the last kill, requests
+	// succeed again.
+	recovered := false
+	for range 20 {
+		if r := s.Do(t, call{Key: newKey(), Body: payBody()}); r.Status == http.StatusCreated {
+			recovered = true
+			break
+		}
+	}
+	if !recovered {
+		t.Fatalf("still failing after the kills stopped")
+	}
+	for range 10 {
+		wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+	}
+
+	executed := make(map[string]int)
+	for _, e := range up.Executions() {
+		executed[e.Key]++
+	}
+	for i := range keys {
+		key := callOf(i).Key
+		if executed[key] != 1 {
+			t.Errorf("%s executed %d times, want once", key, executed[key])
+		}
+		if a, b := answers[i][0], answers[i][1]; a.Status != b.Status || string(a.Body) != string(b.Body) {
+			t.Errorf("%s: the two clients got different answers:\n%s\n%s", key, a, b)
+		}
+	}
+	if n := pgQuery(t, sb.DSN, "SELECT count(*) FROM "+quoteIdent(sb.Table)+" WHERE status <> 'completed'"); n[0][0] != "0" {
+		t.Errorf("%s records not completed", n[0][0])
+	}
+	t.Logf("%d connections killed, %d transient answers (409 in progress, 503) along the way", killed, transient.Load())
+	if killed == 0 || transient.Load() == 0 {
+		t.Errorf("the kills did not reach the traffic (%d killed, %d transient answers)", killed, transient.Load())
+	}
+}
+
+// An instance killed with SIGKILL mid-request leaves its record in
+// progress, with nobody to renew the lock: retries (here on the other
+// instance) get 409 with Retry-After until the lock is lock_timeout old,
+// then exactly one retrier takes it over and executes, and the others get
+// its replay.
+func TestFaultCaddySIGKILLMidRequest(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	const lockTimeout = 1500 * time.Millisecond
+	siteBlock := func(port int) string {
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		lock_timeout %s
+		retry_after 1s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), lockTimeout, up.Addr())
+	}
+	portA, portB := freeTCPPort(t), freeTCPPort(t)
+	a := startCaddyProc(t, "a", siteBlock(portA))
+	b := startCaddyProc(t, "b", siteBlock(portB))
+	siteA, siteB := procSite(t, a, portA), procSite(t, b, portB)
+
+	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(time.Second)}
+	firstErr := make(chan error, 1)
+	go func() {
+		_, err := siteA.DoCtx(context.Background(), c)
+		firstErr <- err
+	}()
+	up.WaitStarted(t, 1)
+	time.Sleep(100 * time.Millisecond) // past the acquire: A is executing
+	a.Kill(t)
+	killedAt := time.Now()
+	if err := <-firstErr; err == nil {
+		t.Fatalf("the request to the killed instance got an answer")
+	}
+
+	type answer struct {
+		at time.Time
+		r  reply
+	}
+	const retriers = 4
+	answers := make([][]answer, retriers)
+	var wg sync.WaitGroup
+	for i := range retriers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			deadline := time.Now().Add(15 * time.Second)
+			for time.Now().Before(deadline) {
+				at := time.Now()
+				r, err := siteB.DoCtx(context.Background(), call{Key: c.Key, Body: c.Body, Header: c.Header})
+				if err != nil {
+					t.Errorf("retrier %d: %v", i, err)
+					return
+				}
+				answers[i] = append(answers[i], answer{at, r})
+				if problemType(r) != "in-progress" {
+					return
+				}
+				time.Sleep(time.Duration(80+20*i) * time.Millisecond)
+			}
+			t.Errorf("retrier %d got no outcome", i)
+		}()
+	}
+	wg.Wait()
+
+	execs := up.Executions()
+	if len(execs) != 2 {
+		t.Fatalf("the upstream executed %d times, want 2: the killed instance's attempt and one takeover", len(execs))
+	}
+	takeoverID := execs[1].ID
+	// A renewed its lock at most a renewal interval before it died.
+	earliest := killedAt.Add(lockTimeout - lockTimeout/3 - 100*time.Millisecond)
+	var executed []answer
+	conflicts := 0
+	for i, as := range answers {
+		for _, an := range as {
+			switch {
+			case problemType(an.r) == "in-progress":
+				conflicts++
+				wantRetryAfter(t, an.r)
+			case an.r.replayed():
+				if an.r.Header.Get("X-Execution-Id") != takeoverID {
+					t.Errorf("retrier %d: replay of %q, want of the takeover's execution %s", i, an.r.Header.Get("X-Execution-Id"), takeoverID)
+				}
+			default:
+				executed = append(executed, an)
+				wantExecuted(t, an.r, http.StatusCreated)
+			}
+		}
+	}
+	if len(executed) != 1 {
+		t.Fatalf("%d retriers executed, want exactly one", len(executed))
+	}
+	took := executed[0].at.Sub(killedAt)
+	t.Logf("takeover %v after the kill (lock_timeout %v), %d conflicts before and during it", took.Round(time.Millisecond), lockTimeout, conflicts)
+	if executed[0].at.Before(earliest) {
+		t.Errorf("taken over %v after the kill: before the lock could be stale", took)
+	}
+	if took > lockTimeout+time.Second {
+		t.Errorf("taken over only %v after the kill, lock_timeout is %v", took, lockTimeout)
+	}
+	if n := b.logMessages(t)["idempotency.takeover"]; n != 1 {
+		t.Errorf("%d idempotency.takeover log lines, want 1", n)
+	}
+}
+
+// A client that hangs up mid-response, after the first bytes reached it:
+// the upstream's response is still read to its end and stored, and the
+// retry gets all of it. (TestClientDisconnectStillCompletes hangs up
+// before the response starts.) Catches a recorder that stops recording,
+// or a proxy that stops reading, when writes to the client fail.
+func TestFaultClientDisconnectMidResponse(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "lock_timeout 300ms")
+		gate := "g-" + randomHex(4)
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
+		ctx, cancel := context.WithCancel(context.Background())
+		req, err := s.request(ctx, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := s.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		first := make([]byte, 64)
+		n, _ := resp.Body.Read(first)
+		if !strings.HasPrefix(string(first[:n]), "first-") {
+			t.Fatalf("first chunk %q", first[:n])
+		}
+		cancel() // hang up with the response half sent
+		resp.Body.Close()
+		up.Open(gate)
+		up.WaitEnded(t, 1)
+		e := up.Executions()[0]
+		if !e.Finished {
+			t.Fatalf("the upstream did not finish its response after the client hung up")
+		}
+
+		r := pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
+		if want := "first-" + e.ID + "\nsecond\n"; !r.replayed() || string(r.Body) != want {
+			t.Errorf("retry after hanging up mid-response: got %s, want a replay of %q", r, want)
+		}
+		wantCount(t, up, 1)
+	})
+}
+
+// Config reloads under load, as an operator does them (POST /load): no
+// request fails, and the database connections do not pile up. Reloads
+// that keep the dsn and max_conns share the pool, and its connections; a
+// reload that changes max_conns opens a new pool and closes the old one.
+func TestFaultConfigReloadUnderLoad(t *testing.T) {
+	sb := postgresBackend(t)
+	app := "idem_reload_" + randomHex(4)
+	dsn := withApplicationName(sb.DSN, app)
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	config := func(i int) (string, int) {
+		maxConns := 4
+		if i%3 == 2 {
+			maxConns = 5
+		}
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			table %s
+			max_conns %d
+		}
+		retry_after %ds
+		lock_timeout %ds
+	}
+	reverse_proxy %s
+}
+`, port, dsn, sb.Table, maxConns, 1+i%2, 5+i%4, up.Addr()), maxConns
+	}
+	first, _ := config(0)
+	p := startCaddyProc(t, "reloaded", first)
+	s := procSite(t, p, port)
+
+	var (
+		stop     = make(chan struct{})
+		wg       sync.WaitGroup
+		requests atomic.Int64
+	)
+	for i := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				c := call{Key: newKey(), Body: payBody()}
+				if i%2 == 0 {
+					c.Header = sleepFor(150 * time.Millisecond) // in flight across reloads
+				}
+				r, err := s.DoCtx(context.Background(), c)
+				if err != nil || r.Status != http.StatusCreated || r.replayed() {
+					t.Errorf("first request during reloads: %s, %v", r, err)
+					continue
+				}
+				again, err := s.DoCtx(context.Background(), c)
+				if err != nil || !again.replayed() || string(again.Body) != string(r.Body) {
+					t.Errorf("replay during reloads: %s, %v", again, err)
+				}
+				requests.Add(2)
+			}
+		}()
+	}
+
+	pids := make(map[string]bool)
+	sample := func() int {
+		rows := pgQuery(t, sb.DSN, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", app)
+		for _, r := range rows {
+			pids[r[0]] = true
+		}
+		return len(rows)
+	}
+	const reloads = 9
+	pools := 1
+	_, prevMax := config(0)
+	most := 0
+	for i := 1; i <= reloads; i++ {
+		time.Sleep(300 * time.Millisecond)
+		most = max(most, sample())
+		cfg, maxConns := config(i)
+		if maxConns != prevMax {
+			pools++
+		}
+		prevMax = maxConns
+		if err := p.Load(cfg); err != nil {
+			t.Fatalf("reload %d: %v", i, err)
+		}
+		most = max(most, sample())
+	}
+	time.Sleep(300 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+
+	_, lastMax := config(reloads)
+	waitFor(t, 5*time.Second, "the connections to settle", func() bool { return sample() <= lastMax })
+	t.Logf("%d requests through %d reloads; at most %d connections at once, %d distinct over the run, %d pools",
+		requests.Load(), reloads, most, len(pids), pools)
+	if requests.Load() == 0 {
+		t.Fatal("no request went through")
+	}
+	// During a reload that changes the pool, the old one closes after the
+	// new one opened.
+	if most > 4+5 {
+		t.Errorf("%d connections at once, more than two pools' worth", most)
+	}
+	if len(pids) > pools*5 {
+		t.Errorf("%d distinct connections over %d reloads with %d pools: reloads opened connections", len(pids), reloads, pools)
+	}
+}

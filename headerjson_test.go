@@ -1,0 +1,92 @@
+package idempotency
+
+import (
+	"encoding/json"
+	"net/http"
+	"reflect"
+	"testing"
+)
+
+var headerJSONCases = []string{
+	`{}`,
+	` { } `,
+	`{"Content-Type": ["application/json"], "X-Multi": ["one", "two"]}`,
+	`{"Content-Type":["application/json"],"X-Multi":["one","two"]}`,
+	`{"Empty": [], "Null": null}`,
+	`{"X-Quote": ["a \"quoted\" \\ value\u0001\t"], "X-Utf8": ["Zoë \u00e9 \ud83d\ude00 \ud800"]}`,
+	`{"Dup": ["a"], "Dup": ["b"]}`,
+	`{"lower-case": ["kept as is"]}`,
+	"{\n\t\"A\" : [ \"x\" , \"y\" ]\n}",
+	// Not the shape: left to encoding/json, which errors or accepts.
+	`null`,
+	`[]`,
+	`{"A": "x"}`,
+	`{"A": [1]}`,
+	`{"A": ["x"]} trailing`,
+	`{"A": ["x"],}`,
+	`{"A": ["x"]`,
+	`{"A": ["\xff"]}`,
+	`{"A": nul}`,
+	``,
+}
+
+// TestDecodeHeaderJSON: the stored headers decode exactly as
+// json.Unmarshal decodes them into an http.Header.
+func TestDecodeHeaderJSON(t *testing.T) {
+	for _, in := range headerJSONCases {
+		checkHeaderJSON(t, []byte(in))
+	}
+	// What Postgres gives back for what Complete stored.
+	h := http.Header{"Content-Type": {"application/json"}, "X-Multi": {"one", "two"}, "X-Nil": nil}
+	b, _ := json.Marshal(h)
+	got, err := decodeHeaderJSON(b)
+	if err != nil || !reflect.DeepEqual(got, h) {
+		t.Errorf("round trip: %v, %v; want %v", got, err, h)
+	}
+	if _, ok := parseHeaderJSON(b); !ok {
+		t.Error("json.Marshal's output took the slow path")
+	}
+}
+
+func checkHeaderJSON(t *testing.T, b []byte) {
+	t.Helper()
+	var want http.Header
+	wantErr := json.Unmarshal(b, &want)
+	got, err := decodeHeaderJSON(b)
+	if (err != nil) != (wantErr != nil) {
+		t.Fatalf("%q: error %v, encoding/json says %v", b, err, wantErr)
+	}
+	if err == nil && !reflect.DeepEqual(got, want) {
+		t.Fatalf("%q: decoded %#v, encoding/json decodes %#v", b, got, want)
+	}
+}
+
+func FuzzDecodeHeaderJSON(f *testing.F) {
+	for _, in := range headerJSONCases {
+		f.Add([]byte(in))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		checkHeaderJSON(t, b)
+	})
+}
+
+func BenchmarkDecodeHeaderJSON(b *testing.B) {
+	in := []byte(`{"Date": ["Mon, 30 Nov 2026 12:00:00 GMT"], "Content-Type": ["application/json"], "Cache-Control": ["no-store"], "Content-Length": ["1024"], "X-Request-Id": ["f3a9c2e1"]}`)
+	b.Run("custom", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			if _, err := decodeHeaderJSON(in); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("encoding/json", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			var h http.Header
+			if err := json.Unmarshal(in, &h); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

@@ -1,0 +1,266 @@
+package idempotency
+
+// The lock's life in the handler, from acquire to complete, against a
+// store that answers late, fails, or loses the lock on cue: regression
+// tests for what the invariant and fault tests found.
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// scriptedStore wraps a store with hooks that run before its methods.
+type scriptedStore struct {
+	Store
+	beforeAcquire  func(ctx context.Context)
+	beforeRenew    func() error
+	beforeComplete func() error
+	renewing       atomic.Bool
+}
+
+func (s *scriptedStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	if s.beforeAcquire != nil {
+		s.beforeAcquire(ctx)
+	}
+	return s.Store.Acquire(ctx, req)
+}
+
+func (s *scriptedStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+	s.renewing.Store(true)
+	defer s.renewing.Store(false)
+	if s.beforeRenew != nil {
+		if err := s.beforeRenew(); err != nil {
+			return err
+		}
+	}
+	return s.Store.Renew(ctx, key, token)
+}
+
+func (s *scriptedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+	if s.beforeComplete != nil {
+		if err := s.beforeComplete(); err != nil {
+			return err
+		}
+	}
+	return s.Store.Complete(ctx, key, token, resp)
+}
+
+// lockHandler is a provisioned handler on a fresh memory store, wrapped
+// by a scriptedStore, logging to an observer.
+func lockHandler(t *testing.T, lockTimeout time.Duration) (*Handler, *scriptedStore, *observer.ObservedLogs) {
+	t.Helper()
+	h := &Handler{LockTimeout: caddy.Duration(lockTimeout), PruneInterval: new(caddy.Duration)}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := h.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	h.logger = zap.New(core)
+	s := &scriptedStore{Store: h.store}
+	h.store = s
+	return h, s, logs
+}
+
+// serve sends one protected request through h with ctx, and returns the
+// status the client got. Memory stores share their records, so keys are
+// made unique to the test run.
+func serve(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) int {
+	r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{"amount":1}`))
+	key += "-" + runID
+	r.Header.Set("Idempotency-Key", key)
+	r.Header.Set("Authorization", defaultCred)
+	r.Header.Set("Content-Type", "application/json")
+	r = r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer()))
+	w := httptest.NewRecorder()
+	if err := h.ServeHTTP(w, r, next); err != nil {
+		return -1
+	}
+	return w.Code
+}
+
+// runID tells this test binary's keys from those of earlier runs.
+var runID = randomHex(4)
+
+// created is a next handler that counts its calls and answers 201.
+func created(calls *atomic.Int32) caddyhttp.Handler {
+	return caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		calls.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		return nil
+	})
+}
+
+// A client that hangs up while its acquire is in flight must not leave a
+// lock that nobody owns: the acquire runs to its end, and the request is
+// executed and stored for the retry. Catches an acquire bound to the
+// client's context (every retry then got 409 until lock_timeout, 30s by
+// default).
+func TestAcquireOutlivesClient(t *testing.T) {
+	h, s, _ := lockHandler(t, 30*time.Second)
+	ctx, hangUp := context.WithCancel(context.Background())
+	s.beforeAcquire = func(actx context.Context) {
+		hangUp()
+		time.Sleep(20 * time.Millisecond)
+		if actx.Err() != nil {
+			t.Errorf("the acquire's context ended with the client's: %v", context.Cause(actx))
+		}
+	}
+	var calls atomic.Int32
+	serve(ctx, h, "hang-up-during-acquire", created(&calls))
+	s.beforeAcquire = nil
+	if got := serve(context.Background(), h, "hang-up-during-acquire", created(&calls)); got != http.StatusCreated || calls.Load() != 1 {
+		t.Errorf("retry: status %d after %d executions, want a replay of the one execution", got, calls.Load())
+	}
+}
+
+// An acquire that the store answers later than a renewal is due holds a
+// lock that may already be taken over: it is confirmed before anything
+// runs. Catches executing on a lock that a retry took over while the
+// answer was on its way.
+func TestLateAcquireIsConfirmed(t *testing.T) {
+	const lockTimeout = 300 * time.Millisecond
+	t.Run("lock lost meanwhile", func(t *testing.T) {
+		h, s, logs := lockHandler(t, lockTimeout)
+		s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
+		s.beforeRenew = func() error { return ErrLockLost }
+		var calls atomic.Int32
+		if got := serve(context.Background(), h, "late-and-lost", created(&calls)); got != http.StatusConflict {
+			t.Errorf("status %d, want 409: another request owns the key", got)
+		}
+		if calls.Load() != 0 {
+			t.Errorf("executed on a lost lock")
+		}
+		if logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "confirm")).Len() != 1 {
+			t.Errorf("no idempotency.lock_lost line for the confirmation: %v", logs.All())
+		}
+	})
+	t.Run("still owned", func(t *testing.T) {
+		h, s, _ := lockHandler(t, lockTimeout)
+		s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
+		var renewed atomic.Int32
+		s.beforeRenew = func() error { renewed.Add(1); return nil }
+		var calls atomic.Int32
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			if renewed.Load() == 0 {
+				t.Errorf("executing before the late lock was confirmed")
+			}
+			return created(&calls).ServeHTTP(w, r)
+		})
+		if got := serve(context.Background(), h, "late-and-kept", next); got != http.StatusCreated || calls.Load() != 1 {
+			t.Errorf("status %d after %d executions, want one execution", got, calls.Load())
+		}
+	})
+}
+
+// A renewal in flight when the request finishes is waited for before the
+// completion, so that it cannot find the record completed and report a
+// lost lock. Catches a keepLock whose stop does not wait (an
+// idempotency.lock_lost at error level for every such race).
+func TestRenewalDoesNotRaceCompletion(t *testing.T) {
+	const lockTimeout = 300 * time.Millisecond
+	h, s, logs := lockHandler(t, lockTimeout)
+	renewStarted := make(chan struct{})
+	var once sync.Once
+	s.beforeRenew = func() error {
+		once.Do(func() { close(renewStarted) })
+		time.Sleep(50 * time.Millisecond)
+		return nil
+	}
+	s.beforeComplete = func() error {
+		if s.renewing.Load() {
+			t.Errorf("completing while a renewal is in flight")
+		}
+		return nil
+	}
+	var calls atomic.Int32
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		<-renewStarted // finish while the first renewal is in flight
+		return created(&calls).ServeHTTP(w, r)
+	})
+	if got := serve(context.Background(), h, "renew-then-complete", next); got != http.StatusCreated {
+		t.Fatalf("status %d", got)
+	}
+	if n := logs.FilterMessage("idempotency.lock_lost").Len(); n != 0 {
+		t.Errorf("%d idempotency.lock_lost lines, want none: %v", n, logs.All())
+	}
+}
+
+// Storing the response is retried for as long as the lock cannot have
+// been taken over, not a fixed few times: a store whose pooled
+// connections were all killed fails one statement per dead connection.
+// Catches giving up early (the record then stayed in progress and its
+// retry executed a second time).
+func TestCompleteRetriesWhileLockHolds(t *testing.T) {
+	h, s, logs := lockHandler(t, 2*time.Second)
+	var attempts atomic.Int32
+	s.beforeComplete = func() error {
+		if attempts.Add(1) <= 4 {
+			return errors.New("FATAL: terminating connection due to administrator command (SQLSTATE 57P01)")
+		}
+		return nil
+	}
+	var calls atomic.Int32
+	if got := serve(context.Background(), h, "complete-after-kills", created(&calls)); got != http.StatusCreated {
+		t.Fatalf("status %d", got)
+	}
+	if attempts.Load() != 5 {
+		t.Errorf("%d attempts to complete, want 5 (4 failures, then success)", attempts.Load())
+	}
+	if logs.FilterMessage("idempotency.store_error").Len() != 0 {
+		t.Errorf("a store error was logged although the completion succeeded")
+	}
+	s.beforeComplete = nil
+	serve(context.Background(), h, "complete-after-kills", created(&calls))
+	if calls.Load() != 1 {
+		t.Errorf("the retry executed again: the record was not completed")
+	}
+}
+
+// A reload that changes the pool (another dsn or max_conns) cleans up the
+// old config's store while its requests still run: the pool stays open
+// for them until they are done. Catches closing it at once (their
+// completions failed with "closed pool", and the retries of their keys
+// executed a second time once the locks went stale).
+func TestPoolOutlivesUnloadedRequests(t *testing.T) {
+	table := freshTable(t)
+	dsn := withApplicationName(testDSN(t), "idem_drain_"+randomHex(4))
+	s := &PostgresStore{DSN: dsn, Table: table, MaxConns: 2}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := s.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var busy atomic.Bool
+	busy.Store(true)
+	s.keepPoolWhile(busy.Load, time.Minute)
+
+	req := testAcquireRequest("cred", "drain-"+randomHex(4), `{}`)
+	mustAcquirePG(t, s, req, OutcomeCreated)
+	cancel() // the config is unloaded, its request still running
+	if err := s.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Body: []byte{}, Replayable: true}); err != nil {
+		t.Fatalf("completing after the config was unloaded: %v", err)
+	}
+	if _, ok := postgresPools.References(s.poolKey); !ok {
+		t.Fatalf("the pool was let go while a request owned a record")
+	}
+	busy.Store(false)
+	waitFor(t, 5*time.Second, "the pool to be let go", func() bool {
+		_, ok := postgresPools.References(s.poolKey)
+		return !ok
+	})
+}

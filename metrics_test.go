@@ -1,0 +1,183 @@
+package idempotency
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// metricsSnapshot is the admin endpoint's /metrics, parsed.
+type metricsSnapshot map[string]*dto.MetricFamily
+
+func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
+	t.Helper()
+	resp, err := http.Get("http://" + adminAddr + "/metrics")
+	if err != nil {
+		t.Fatalf("GET /metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: %s", resp.Status)
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parsing /metrics: %v", err)
+	}
+	return fams
+}
+
+// value is the counter's value, or the histogram's sample count, of the
+// series of name whose labels include the label pairs given.
+func (m metricsSnapshot) value(name string, labelPairs ...string) float64 {
+	fam, ok := m[name]
+	if !ok {
+		return 0
+	}
+series:
+	for _, metric := range fam.GetMetric() {
+		for i := 0; i+1 < len(labelPairs); i += 2 {
+			found := false
+			for _, lp := range metric.GetLabel() {
+				if lp.GetName() == labelPairs[i] && lp.GetValue() == labelPairs[i+1] {
+					found = true
+				}
+			}
+			if !found {
+				continue series
+			}
+		}
+		if h := metric.GetHistogram(); h != nil {
+			return float64(h.GetSampleCount())
+		}
+		return metric.GetCounter().GetValue()
+	}
+	return 0
+}
+
+// The metrics count what happened, through Caddy's admin endpoint: each
+// request once by its final result, each store round trip (and no cache
+// hit) in the latency histogram, takeovers, pruned records and replay
+// ages; and no series carries a key or a credential.
+func TestMetricsCount(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	pPG, pUndialable, pDown, admin := freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+	down := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		prune_interval 100ms
+		replay_cache off
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency
+	reverse_proxy 127.0.0.1:%d
+}
+http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			migrate off
+		}
+	}
+	reverse_proxy %s
+}
+`, pPG, sb.Block(), up.Addr(), pUndialable, freeTCPPort(t), pDown, down, up.Addr()), admin)
+	pg, undialable, storeDown := newSiteClient(t, srv, pPG), newSiteClient(t, srv, pUndialable), newSiteClient(t, srv, pDown)
+	before := scrapeMetrics(t, admin)
+
+	c1 := call{Key: newKey(), Body: payBody()}
+	wantExecuted(t, pg.Do(t, c1), http.StatusCreated)
+	pg.Do(t, c1)
+	pg.Do(t, c1)
+	wantProblem(t, pg.Do(t, call{Key: c1.Key, Body: payBody()}), http.StatusConflict)
+
+	c2 := call{Key: newKey(), Body: payBody(), Header: sleepFor(500 * time.Millisecond)}
+	ch := runBackground(t, pg, c2)
+	up.WaitStarted(t, 2)
+	wantProblem(t, pg.Do(t, call{Key: c2.Key, Body: c2.Body}), http.StatusConflict)
+	<-ch
+
+	c3 := call{Key: newKey(), Body: payBody()}
+	wantExecuted(t, pg.Do(t, c3), http.StatusCreated)
+	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+		lock_token = $1, locked_at = now() - interval '1 hour',
+		response_status = NULL, response_headers = NULL, response_body = NULL,
+		replayable = NULL, response_size = NULL
+		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c3.Key)
+	wantExecuted(t, pg.Do(t, c3), http.StatusCreated) // taken over
+
+	wantProblem(t, pg.Do(t, call{Body: payBody()}), http.StatusBadRequest)
+	undialable.Do(t, call{Key: newKey(), Body: payBody()})
+	wantProblem(t, storeDown.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusServiceUnavailable)
+
+	for i := range 3 {
+		pgExec(t, sb.DSN, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+			status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
+			VALUES ($1, $2, $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() - interval '1 day', 201, '{}', '', true, 0)`,
+			bytes.Repeat([]byte{9}, 32), fmt.Sprintf("expired-%d", i))
+	}
+	waitFor(t, 5*time.Second, "the pruner to delete the 3 expired rows", func() bool { return pgCount(t, sb) == 3 })
+
+	var after metricsSnapshot
+	delta := func(name string, labels ...string) float64 {
+		return after.value(name, labels...) - before.value(name, labels...)
+	}
+	// The pruner's counter is added to right after its statement.
+	waitFor(t, 2*time.Second, "the pruned records to be counted", func() bool {
+		after = scrapeMetrics(t, admin)
+		return delta("caddy_idempotency_pruned_records_total") >= 3
+	})
+	for _, tc := range []struct {
+		name   string
+		labels []string
+		want   float64
+	}{
+		{"caddy_idempotency_requests_total", []string{"result", "executed"}, 4},
+		{"caddy_idempotency_requests_total", []string{"result", "replayed"}, 2},
+		{"caddy_idempotency_requests_total", []string{"result", "mismatch"}, 1},
+		{"caddy_idempotency_requests_total", []string{"result", "in_progress"}, 1},
+		{"caddy_idempotency_requests_total", []string{"result", "rejected"}, 1},
+		{"caddy_idempotency_requests_total", []string{"result", "released"}, 1},
+		{"caddy_idempotency_requests_total", []string{"result", "store_error"}, 1},
+		{"caddy_idempotency_lock_takeovers_total", nil, 1},
+		{"caddy_idempotency_pruned_records_total", nil, 3},
+		{"caddy_idempotency_replay_age_seconds", nil, 2},
+		// Acquire: c1 ×4, c2 ×2, c3 ×2, the undialable and the unreachable store.
+		{"caddy_idempotency_store_duration_seconds", []string{"operation", "acquire"}, 10},
+		{"caddy_idempotency_store_duration_seconds", []string{"operation", "complete"}, 4},
+		{"caddy_idempotency_store_duration_seconds", []string{"operation", "release"}, 1},
+		{"caddy_idempotency_store_errors_total", []string{"operation", "acquire"}, 1},
+		{"caddy_idempotency_store_errors_total", []string{"operation", "complete"}, 0},
+	} {
+		if got := delta(tc.name, tc.labels...); got != tc.want {
+			t.Errorf("%s%v grew by %v, want %v", tc.name, tc.labels, got, tc.want)
+		}
+	}
+	if after["caddy_idempotency_store_duration_seconds"].GetType() != dto.MetricType_HISTOGRAM ||
+		after["caddy_idempotency_replay_age_seconds"].GetType() != dto.MetricType_HISTOGRAM {
+		t.Errorf("store latency and replay age are not histograms")
+	}
+	for name, fam := range after {
+		if !strings.HasPrefix(name, "caddy_idempotency_") {
+			continue
+		}
+		for _, metric := range fam.GetMetric() {
+			for _, lp := range metric.GetLabel() {
+				if lp.GetName() != "result" && lp.GetName() != "operation" {
+					t.Errorf("%s has a label %s=%q: only result and operation are bounded", name, lp.GetName(), lp.GetValue())
+				}
+			}
+		}
+	}
+}

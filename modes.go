@@ -1,0 +1,229 @@
+package idempotency
+
+// The client-friendly modes: wait (wait.go), mismatch_status, shadow and
+// on_store_error. Each changes what one step of the request path does
+// when it would refuse a request; the path itself is in module.go.
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// The values of on_store_error.
+const (
+	onStoreErrorFailClosed = "fail_closed"
+	onStoreErrorFailOpen   = "fail_open"
+)
+
+// Results, as {http.idempotency.result} shows them, besides those of the
+// contract (module.go).
+const (
+	// resultNoKey: optional is on and the request carried no key; it
+	// passed through unprotected.
+	resultNoKey = "no_key"
+	// resultFailOpen: the store failed and on_store_error is fail_open;
+	// the request executed unprotected.
+	resultFailOpen = "fail_open"
+	// shadowPrefix prefixes every result in shadow mode: shadow_replayed
+	// is a request that would have been replayed and executed instead.
+	shadowPrefix = "shadow_"
+)
+
+// provisionModes sets the modes' defaults and prepares the store for
+// `wait`. store is the store module itself, not a wrapper of it, since
+// wrappers hide the optional Waiter interface.
+func (h *Handler) provisionModes(store any) error {
+	if h.MismatchStatus == 0 {
+		h.MismatchStatus = http.StatusConflict
+	}
+	if h.OnStoreError == "" {
+		h.OnStoreError = onStoreErrorFailClosed
+	}
+	if h.Wait <= 0 || h.Shadow {
+		return nil
+	}
+	w, ok := store.(Waiter)
+	if !ok {
+		return fmt.Errorf("wait: the store %T cannot wake waiting requests", store)
+	}
+	w.EnableWaiting()
+	h.waiter = w
+	return nil
+}
+
+func (h *Handler) validateModes() error {
+	if h.Wait < 0 {
+		return fmt.Errorf("wait must not be negative")
+	}
+	if h.MismatchStatus != http.StatusConflict && h.MismatchStatus != http.StatusUnprocessableEntity {
+		return fmt.Errorf("mismatch_status must be 409 or 422, not %d", h.MismatchStatus)
+	}
+	if h.OnStoreError != onStoreErrorFailClosed && h.OnStoreError != onStoreErrorFailOpen {
+		return fmt.Errorf("on_store_error must be %s or %s, not %q", onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
+	}
+	return nil
+}
+
+// mismatchProblem is the answer to a key reused with another request,
+// with the configured status.
+func (h *Handler) mismatchProblem() problem {
+	p := probKeyReused
+	p.Status = h.MismatchStatus
+	return p
+}
+
+// result is r as {http.idempotency.result} shows it in this mode.
+func (h *Handler) result(r string) string {
+	if h.Shadow {
+		return shadowPrefix + r
+	}
+	return r
+}
+
+// failOpen executes a request whose record could not be acquired,
+// without protection: on_store_error fail_open says that this route
+// prefers a possible duplicate to a 503.
+func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, body []byte, key, credID string) error {
+	h.logger.Warn("idempotency.fail_open",
+		zap.String("key", key), zap.String("credential_id", credID),
+		zap.String("method", r.Method), zap.String("path", r.URL.Path))
+	repl.Set("http.idempotency.result", resultFailOpen)
+	restoreBody(r, body, nil)
+	return next.ServeHTTP(w, r)
+}
+
+// serveShadow is ServeHTTP in shadow mode. Every step runs as in
+// ServeHTTP, and a request that owns its key is executed and recorded as
+// usual, so that the records are those enforcement would start from.
+// Where ServeHTTP would refuse a request (a replay, a conflict, a client
+// error, a store error), the request is executed anyway, unrecorded, and
+// what would have happened is logged and set as the result.
+func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler) error {
+	// pass executes the request without recording it; a body that was
+	// read must have been restored.
+	pass := func(result string) error {
+		repl.Set("http.idempotency.result", shadowPrefix+result)
+		return next.ServeHTTP(w, r)
+	}
+	wouldReject := func(key string, p problem) {
+		if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
+			c.Write(zap.String("would", resultRejected), zap.String("key", key),
+				zap.Int("status", p.Status), zap.String("title", p.Title))
+		}
+	}
+
+	rawKey := r.Header.Get(h.KeyHeader)
+	if rawKey == "" && len(r.Header.Values(h.KeyHeader)) == 0 {
+		if h.Optional {
+			return pass(resultNoKey)
+		}
+		wouldReject("", probKeyMissing)
+		return pass(resultRejected)
+	}
+	key, err := parseKey(rawKey)
+	if err != nil {
+		wouldReject("", probKeyMalformed)
+		return pass(resultRejected)
+	}
+	repl.Set("http.idempotency.key", key)
+	var credential string
+	if h.Credential != "" {
+		credential = repl.ReplaceAll(h.Credential, "")
+	} else {
+		credential = r.Header.Get(h.CredentialHeader)
+	}
+	if credential == "" {
+		wouldReject(key, probCredentialMissing)
+		return pass(resultRejected)
+	}
+	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
+	credID := hex.EncodeToString(rk.CredentialHash[:6])
+	body, prob := h.readBody(r)
+	if prob != nil {
+		wouldReject(key, *prob)
+		restoreBody(r, body, prob)
+		return pass(resultRejected)
+	}
+	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	restoreBody(r, body, nil)
+
+	token := newLockToken()
+	sent := time.Now() // the lock is dated no earlier: see ServeHTTP
+	acq, err := h.acquire(r.Context(), AcquireRequest{
+		Key:         rk,
+		Token:       token,
+		Fingerprint: fp,
+		Method:      r.Method,
+		Path:        r.URL.Path,
+		LockTimeout: time.Duration(h.LockTimeout),
+		Retention:   time.Duration(h.Retention),
+	})
+	if err != nil {
+		h.storeError("acquire", key, credID, r, err)
+		return pass(resultStoreError)
+	}
+	if acq.Outcome == OutcomeExisting {
+		would, extra := wouldAnswer(acq.Record, fp)
+		h.logger.Info("idempotency.shadow", append([]zap.Field{
+			zap.String("would", would),
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		}, extra...)...)
+		return pass(would)
+	}
+	if acq.Outcome == OutcomeTakenOver {
+		h.logger.Warn("idempotency.takeover",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Duration("lock_timeout", time.Duration(h.LockTimeout)))
+	}
+	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
+}
+
+// wouldAnswer is the result that ServeHTTP gives a request whose key has
+// the existing record rec, with the fields its log line carries.
+func wouldAnswer(rec *Record, fp [32]byte) (string, []zap.Field) {
+	switch {
+	case rec.Fingerprint != fp:
+		return resultMismatch, []zap.Field{
+			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path)}
+	case rec.Status != StatusCompleted || rec.Response == nil:
+		return resultInProgress, []zap.Field{
+			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds())}
+	case !rec.Response.Replayable:
+		return resultRejected, []zap.Field{
+			zap.Int("original_status", rec.Response.Status), zap.Int64("original_size", rec.Response.BodySize)}
+	default:
+		return resultReplayed, []zap.Field{
+			zap.Int("original_status", rec.Response.Status),
+			zap.Float64("age_seconds", time.Since(rec.CreatedAt).Seconds())}
+	}
+}
+
+// restoreBody hands the request body on to the next handler after
+// readBody consumed it. When readBody stopped early (bodyErr is set),
+// body is the part it read, and the rest still waits in the original
+// body. The key headers are re-filed as ServeHTTP does before executing.
+func restoreBody(r *http.Request, body []byte, bodyErr *problem) {
+	if bodyErr != nil {
+		r.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
+	} else {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		r.ContentLength = int64(len(body))
+		r.TransferEncoding = nil
+	}
+	hideKeyFromTransport(r.Header)
+}

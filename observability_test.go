@@ -1,0 +1,220 @@
+package idempotency
+
+// The log lines and the placeholders, as an operator reads them.
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// One line per case, at the level an operator would choose, with the
+// fields that make it actionable, and the credential only as its id.
+func TestLogLines(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	pPG, pUndialable, pDown, pOpen, pShadow := freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), freeTCPPort(t)
+	down := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	srv := startCaddyfile(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		replay_cache off
+		prune_interval 100ms
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency
+	reverse_proxy 127.0.0.1:%d
+}
+http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			migrate off
+		}
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			migrate off
+		}
+		on_store_error fail_open
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency {
+		shadow
+	}
+	reverse_proxy %s
+}
+`, pPG, sb.Block(), up.Addr(), pUndialable, freeTCPPort(t), pDown, down, up.Addr(),
+		pOpen, down, up.Addr(), pShadow, up.Addr()))
+	pg := newSiteClient(t, srv, pPG)
+	secret := "Bearer sk_test_" + randomHex(12)
+	sum := sha256.Sum256([]byte(secret))
+	credID := hex.EncodeToString(sum[:6])
+
+	c := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"}
+	pg.Do(t, c)
+	pg.Do(t, c)                                                                    // replay
+	pg.Do(t, call{Key: c.Key, Body: payBody(), Cred: secret, Path: "/v1/charges"}) // mismatch
+	slow := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges", Header: sleepFor(300 * time.Millisecond)}
+	ch := runBackground(t, pg, slow)
+	up.WaitStarted(t, 2)
+	pg.Do(t, call{Key: slow.Key, Body: slow.Body, Cred: secret, Path: "/v1/charges"}) // in progress
+	<-ch
+	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+		lock_token = $1, locked_at = now() - interval '1 hour',
+		response_status = NULL, response_headers = NULL, response_body = NULL,
+		replayable = NULL, response_size = NULL
+		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c.Key)
+	pg.Do(t, c) // takeover
+	pgExec(t, sb.DSN, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+		status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
+		VALUES ($1, 'expired-key', $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() - interval '1 day', 201, '{}', '', true, 0)`,
+		bytes.Repeat([]byte{9}, 32))
+	newSiteClient(t, srv, pUndialable).Do(t, call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"})
+	newSiteClient(t, srv, pDown).Do(t, call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"})
+	newSiteClient(t, srv, pOpen).Do(t, call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"})
+	shadow := newSiteClient(t, srv, pShadow)
+	sc := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"}
+	shadow.Do(t, sc)
+	shadow.Do(t, sc)
+	waitFor(t, 3*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
+
+	common := []string{"key", "credential_id", "method", "path"}
+	want := []struct {
+		msg, level string
+		fields     []string
+	}{
+		{"idempotency.replay", "info", append(common, "original_status", "age_seconds")},
+		{"idempotency.mismatch", "info", append(common, "original_method", "original_path")},
+		{"idempotency.in_progress", "info", append(common, "lock_age_seconds")},
+		{"idempotency.takeover", "warn", append(common, "lock_timeout")},
+		{"idempotency.release", "info", append(common, "cause")},
+		{"idempotency.store_error", "error", append(common, "operation", "error")},
+		{"idempotency.fail_open", "warn", common},
+		{"idempotency.shadow", "info", append(common, "would", "original_status", "age_seconds")},
+		{"idempotency.prune", "info", []string{"rows"}},
+	}
+	lines := srv.moduleLogLines(t)
+	for _, w := range want {
+		var found map[string]any
+		for _, l := range lines {
+			if l["msg"] == w.msg {
+				found = l
+				break
+			}
+		}
+		if found == nil {
+			t.Errorf("no %s line", w.msg)
+			continue
+		}
+		if found["level"] != w.level {
+			t.Errorf("%s is logged at %v, want %s", w.msg, found["level"], w.level)
+		}
+		for _, f := range w.fields {
+			if _, ok := found[f]; !ok {
+				t.Errorf("%s lacks %q: %v", w.msg, f, found)
+			}
+		}
+		if id, ok := found["credential_id"]; ok && id != credID {
+			t.Errorf("%s credential_id = %v, want %s", w.msg, id, credID)
+		}
+		if found["path"] != nil && found["path"] != "/v1/charges" {
+			t.Errorf("%s path = %v", w.msg, found["path"])
+		}
+	}
+	// A sample of each line, as written, for the README and the curious.
+	data, err := os.ReadFile(srv.LogPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range want {
+		for _, line := range bytes.Split(data, []byte("\n")) {
+			if bytes.Contains(line, []byte(`"msg":"`+w.msg+`"`)) {
+				t.Logf("%s", line)
+				break
+			}
+		}
+	}
+	if bytes.Contains(data, []byte(strings.TrimPrefix(secret, "Bearer "))) {
+		t.Errorf("the raw credential is in the log")
+	}
+}
+
+// The README's access log example: log_append puts both placeholders in
+// every access log line of a protected request.
+func TestAccessLogPlaceholders(t *testing.T) {
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	log
+	log_append idempotency_result {http.idempotency.result}
+	log_append idempotency_key {http.idempotency.key}
+	idempotency {
+		store memory
+		optional
+	}
+	reverse_proxy %s
+}
+`, port, up.Addr()))
+	c := call{Key: newKey(), Body: payBody()}
+	inflight := call{Key: newKey(), Body: payBody(), Header: sleepFor(300 * time.Millisecond)}
+	ch := runBackground(t, s, inflight)
+	up.WaitStarted(t, 1)
+	cases := []struct {
+		c           call
+		result, key string
+	}{
+		{c, "executed", c.Key},
+		{c, "replayed", c.Key},
+		{call{Key: c.Key, Body: payBody()}, "mismatch", c.Key},
+		{call{Key: inflight.Key, Body: inflight.Body}, "in_progress", inflight.Key},
+		{call{Key: "short", Body: payBody()}, "rejected", ""},
+		{call{Body: payBody()}, "no_key", ""},
+		{call{Key: c.Key, Body: payBody(), Cred: noCred}, "rejected", c.Key},
+	}
+	for _, tc := range cases {
+		s.Do(t, tc.c)
+	}
+	<-ch
+	s.Do(t, call{Method: http.MethodGet, Path: "/unprotected"})
+
+	// The lines of the requests sent one after the other, in order: all
+	// but the in-flight request's own.
+	var access []map[string]any
+	waitFor(t, 2*time.Second, "the access log lines", func() bool {
+		access = access[:0]
+		for _, l := range s.logLines(t) {
+			if name, _ := l["logger"].(string); !strings.HasPrefix(name, "http.log.access") {
+				continue
+			}
+			if req, _ := l["request"].(map[string]any); req["headers"].(map[string]any)["X-Test-Sleep"] != nil {
+				continue
+			}
+			access = append(access, l)
+		}
+		return len(access) == len(cases)+1
+	})
+	for i, tc := range cases {
+		l := access[i]
+		if l["idempotency_result"] != tc.result || l["idempotency_key"] != tc.key {
+			t.Errorf("case %d: access log has result %v key %v, want %s %q", i, l["idempotency_result"], l["idempotency_key"], tc.result, tc.key)
+		}
+	}
+	if l := access[len(cases)]; l["idempotency_result"] != nil {
+		t.Errorf("an unprotected request's access log line: %v", l)
+	}
+}

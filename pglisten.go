@@ -1,0 +1,279 @@
+package idempotency
+
+// Waiting with Postgres: a completion or release sends a NOTIFY in the
+// same statement (so it stays one round trip, and the notification is
+// delivered at commit, never before the record can be read), and each
+// Caddy instance keeps one LISTEN connection per DSN that wakes its
+// waiters.
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"hash/fnv"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+)
+
+// pgListeners holds one listener per DSN, shared by every store that
+// waits and kept across config reloads by reference counting, as
+// postgresPools does for pools.
+var pgListeners = caddy.NewUsagePool()
+
+const (
+	// listenerPing is how long the listener waits for a notification
+	// before it checks that its connection is alive: a server that
+	// vanished without closing the socket would otherwise leave it
+	// waiting forever while notifications go elsewhere.
+	listenerPing = 30 * time.Second
+	// listenerMaxBackoff caps the delay between reconnection attempts.
+	listenerMaxBackoff = 30 * time.Second
+)
+
+// EnableWaiting implements Waiter: from now on Complete and Release send
+// a NOTIFY on the table's channel, and this instance listens to it. It is
+// opt-in because a NOTIFY takes a database-wide lock at commit, which
+// serialises the commits of concurrent completions.
+func (s *PostgresStore) EnableWaiting() {
+	if s.listener != nil {
+		return
+	}
+	cfg := s.pool.Config().ConnConfig.Copy()
+	cfg.RuntimeParams["application_name"] = "caddy-idempotency-listener"
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = 10 * time.Second
+	}
+	// The constructor cannot fail.
+	val, _, _ := pgListeners.LoadOrNew(s.poolKey.dsn, func() (caddy.Destructor, error) {
+		return newPGListener(cfg), nil
+	})
+	s.listener = val.(*pgListener)
+	s.channel = notifyChannel(s.table)
+	s.listener.subscribe(s.channel)
+}
+
+// WaitCompleted implements Waiter.
+func (s *PostgresStore) WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{} {
+	return s.listener.waits.wait(ctx, pgWaitKey{s.channel, notifyPayload(key)})
+}
+
+// stopWaiting gives back this store's share of its listener.
+func (s *PostgresStore) stopWaiting() {
+	if s.listener == nil {
+		return
+	}
+	s.listener.unsubscribe(s.channel)
+	_, _ = pgListeners.Delete(s.poolKey.dsn) // only a missing key errs
+}
+
+// announce turns the statement of op into one that also wakes the
+// waiters of key, when this store's handler waits: a completion or a
+// release (the statements that end an in-progress record). The notifying
+// statement reports the same row count, through its SELECT.
+func (s *PostgresStore) announce(op, sql string, key RecordKey, args []any) (string, []any) {
+	if s.listener == nil || (op != "complete" && op != "release") {
+		return sql, args
+	}
+	n := len(args)
+	return fmt.Sprintf("WITH done AS (\n%s\nRETURNING 1\n)\nSELECT pg_notify($%d, $%d) FROM done", sql, n+1, n+2),
+		append(args, s.channel, notifyPayload(key))
+}
+
+// notifyChannel is the NOTIFY channel of a table. A hash keeps it within
+// the 63 bytes of an identifier whatever the table's name.
+func notifyChannel(t tableName) string {
+	h := fnv.New64a()
+	h.Write([]byte(t.String()))
+	return fmt.Sprintf("idempotency_%016x", h.Sum64())
+}
+
+// notifyPayload names a record in a notification without revealing its
+// key: NOTIFY payloads are visible to every listener of the database.
+func notifyPayload(key RecordKey) string {
+	h := sha256.New()
+	h.Write(key.CredentialHash[:])
+	h.Write([]byte(key.Key))
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+type pgWaitKey struct{ channel, payload string }
+
+// pgListener is one LISTEN connection and the waiters it wakes. It
+// reconnects, with backoff, whenever the connection fails; since
+// notifications sent meanwhile are lost, every waiter is woken once it
+// listens again, to look at its record.
+type pgListener struct {
+	config *pgx.ConnConfig
+	waits  waitSet[pgWaitKey]
+	stop   context.CancelFunc
+	done   chan struct{}
+
+	mu       sync.Mutex
+	channels map[string]int // channel → subscribed stores
+	// changed is closed, and replaced, when channels changes, so that
+	// the connection LISTENs to the new set.
+	changed chan struct{}
+}
+
+func newPGListener(cfg *pgx.ConnConfig) *pgListener {
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &pgListener{
+		config:   cfg,
+		stop:     cancel,
+		done:     make(chan struct{}),
+		channels: make(map[string]int),
+		changed:  make(chan struct{}),
+	}
+	go l.run(ctx)
+	return l
+}
+
+// Destruct implements caddy.Destructor: the last store is gone.
+func (l *pgListener) Destruct() error {
+	l.stop()
+	<-l.done
+	l.waits.wakeAll()
+	return nil
+}
+
+func (l *pgListener) subscribe(channel string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.channels[channel]++
+	l.signalChangeLocked()
+}
+
+func (l *pgListener) unsubscribe(channel string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.channels[channel]--; l.channels[channel] <= 0 {
+		delete(l.channels, channel)
+	}
+	l.signalChangeLocked()
+}
+
+func (l *pgListener) signalChangeLocked() {
+	close(l.changed)
+	l.changed = make(chan struct{})
+}
+
+// wanted returns the channels to listen to, and the signal of their next
+// change.
+func (l *pgListener) wanted() (map[string]bool, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	set := make(map[string]bool, len(l.channels))
+	for ch := range l.channels {
+		set[ch] = true
+	}
+	return set, l.changed
+}
+
+func (l *pgListener) run(ctx context.Context) {
+	defer close(l.done)
+	backoff := 100 * time.Millisecond
+	for {
+		connected, err := l.session(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if connected {
+			backoff = 100 * time.Millisecond
+		}
+		caddy.Log().Named("http.handlers.idempotency.stores.postgres").Error("idempotency.store_error",
+			zap.String("operation", "listen"), zap.Duration("retry_in", backoff), zap.Error(err))
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, listenerMaxBackoff)
+	}
+}
+
+// session runs one connection until it fails, and reports whether it
+// got as far as listening.
+func (l *pgListener) session(ctx context.Context) (connected bool, err error) {
+	conn, err := pgx.ConnectConfig(ctx, l.config)
+	if err != nil {
+		return false, err
+	}
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(closeCtx)
+	}()
+	listening := make(map[string]bool)
+	for {
+		want, changed := l.wanted()
+		for ch := range want {
+			if !listening[ch] {
+				if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{ch}.Sanitize()); err != nil {
+					return connected, err
+				}
+				listening[ch] = true
+			}
+		}
+		for ch := range listening {
+			if !want[ch] {
+				if _, err := conn.Exec(ctx, "UNLISTEN "+pgx.Identifier{ch}.Sanitize()); err != nil {
+					return connected, err
+				}
+				delete(listening, ch)
+			}
+		}
+		connected = true
+		// Completions while this connection was not listening went
+		// unheard: every waiter looks again.
+		l.waits.wakeAll()
+		if err := l.receive(ctx, conn, changed); err != nil {
+			return connected, err
+		}
+	}
+}
+
+// receive wakes waiters as notifications arrive, until the channel set
+// changes (it returns nil) or the connection fails.
+func (l *pgListener) receive(ctx context.Context, conn *pgx.Conn, changed <-chan struct{}) error {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-changed:
+			cancel()
+		case <-sctx.Done():
+		}
+	}()
+	for {
+		wctx, wcancel := context.WithTimeout(sctx, listenerPing)
+		n, err := conn.WaitForNotification(wctx)
+		wcancel()
+		switch {
+		case err == nil:
+			l.waits.wake(pgWaitKey{n.Channel, n.Payload})
+		case sctx.Err() != nil:
+			return ctx.Err()
+		case pgconn.Timeout(err):
+			pctx, pcancel := context.WithTimeout(ctx, 5*time.Second)
+			err := conn.Ping(pctx)
+			pcancel()
+			if err != nil {
+				return err
+			}
+		default:
+			return err
+		}
+	}
+}
+
+// Interface guards
+var (
+	_ Waiter           = (*PostgresStore)(nil)
+	_ caddy.Destructor = (*pgListener)(nil)
+)
