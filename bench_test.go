@@ -193,7 +193,11 @@ func testReplayAllocations(t *testing.T, cache bool) {
 	smallAllocs, smallBytes := measure(1 << 10)
 	bigAllocs, bigBytes := measure(64 << 10)
 	t.Logf("replay of 1 KiB: %.0f allocs, %d B; of 64 KiB: %.0f allocs, %d B", smallAllocs, smallBytes, bigAllocs, bigBytes)
-	if bigAllocs > smallAllocs {
+	slack := 0.0
+	if raceEnabled {
+		slack = 2 // pooled buffers the race detector dropped, in either run
+	}
+	if bigAllocs > smallAllocs+slack {
 		t.Errorf("a 64 KiB replay allocates %.0f times, a 1 KiB one %.0f: allocations grow with the body", bigAllocs, smallAllocs)
 	}
 	// One copy of the extra 63 KiB, with room for size-class rounding,

@@ -248,8 +248,13 @@ func TestStaleLockIsTakenOverByOneRetrier(t *testing.T) {
 	sb := postgresBackend(t)
 	up := newUpstream(t)
 	// The record is turned back into a dead owner's behind the handler's
-	// back; its replay cache would still replay the completed one.
-	s := protectedSite(t, sb, up.Addr(), "lock_timeout 300ms", "replay_cache off")
+	// back; its replay cache would still replay the completed one. The
+	// lock_timeout outlasts the takeover's execution (300ms), so that
+	// the new owner needs no renewal: on a loaded machine, a renewal due
+	// 100ms into a 300ms lock could land too late and let a second
+	// retrier take over, which is the lease's documented limit, not what
+	// this test is about.
+	s := protectedSite(t, sb, up.Addr(), "lock_timeout 1s", "replay_cache off")
 	c := call{Key: newKey(), Body: payBody()}
 	dead := s.Do(t, c) // a real record, with the real fingerprint
 	wantExecuted(t, dead, http.StatusCreated)

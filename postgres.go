@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"runtime"
 	"strconv"
@@ -14,6 +15,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/zap"
 )
@@ -346,6 +348,7 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 			continue
 		}
 		if err != nil {
+			s.dropDeadConns(err)
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 		return res, nil
@@ -443,12 +446,26 @@ func (s *PostgresStore) execOwned(ctx context.Context, op, sql string, key Recor
 	sql, args = s.announce(op, sql, key, args)
 	tag, err := s.pool.Exec(ctx, sql, args...)
 	if err != nil {
+		s.dropDeadConns(err)
 		return fmt.Errorf("postgres store: %s: %w", op, err)
 	}
 	if tag.RowsAffected() == 0 {
 		return ErrLockLost
 	}
 	return nil
+}
+
+// dropDeadConns empties the pool when err says the server ended a
+// connection (a restart, a failover, pg_terminate_backend). Its idle
+// siblings were almost certainly ended with it, and the pool only finds
+// out by failing one statement on each: a completion retried against
+// them could run out its lock's lifetime on dead connections, and a
+// retry would then execute the request again.
+func (s *PostgresStore) dropDeadConns(err error) {
+	var pgErr *pgconn.PgError
+	if (errors.As(err, &pgErr) && pgErr.Severity == "FATAL") || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		s.pool.Reset()
+	}
 }
 
 // Prune implements Store. It holds a session advisory lock, keyed by the
