@@ -197,7 +197,7 @@ func TestFaultPostgresConnectionsKilled(t *testing.T) {
 	// A completion is retried while its lock is younger than
 	// lock_timeout: a few kills of every connection leave it time.
 	s := protectedSite(t, storeBackend{Name: "postgres", DSN: withApplicationName(sb.DSN, app), Table: sb.Table},
-		up.Addr(), "retry_after 1s", "lock_timeout 3s")
+		up.Addr(), "retry_after 1s", "lock_timeout 5s")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -418,7 +418,7 @@ func TestFaultCaddySIGKILLMidRequest(t *testing.T) {
 func TestFaultClientDisconnectMidResponse(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
-		s := protectedSite(t, sb, up.Addr(), "lock_timeout 300ms")
+		s := protectedSite(t, sb, up.Addr())
 		gate := "g-" + randomHex(4)
 		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
 		ctx, cancel := context.WithCancel(context.Background())
