@@ -159,15 +159,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 
 	token := newLockToken()
 	sent := time.Now() // the lock is dated no earlier: see ServeHTTP
-	acq, err := h.acquire(r.Context(), AcquireRequest{
-		Key:         rk,
-		Token:       token,
-		Fingerprint: fp,
-		Method:      r.Method,
-		Path:        r.URL.Path,
-		LockTimeout: time.Duration(h.LockTimeout),
-		Retention:   time.Duration(h.Retention),
-	})
+	acq, err := h.acquire(r.Context(), h.acquireRequest(r, rk, token, fp))
 	if err != nil {
 		h.storeError("acquire", key, credID, r, err)
 		return pass(resultStoreError)

@@ -251,7 +251,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if *h.ReplayCache > 0 {
 		// Even in front of the memory store: a hit skips the store's
 		// lock and its defensive copy of the response.
-		h.store = newReplayCache(h.store, *h.ReplayCache)
+		rc := newReplayCache(h.store, *h.ReplayCache)
+		_, inMemory := mod.(*MemoryStore)
+		rc.learnOnComplete = !inMemory
+		h.store = rc
 	}
 	if err := h.provisionModes(mod); err != nil {
 		return err
@@ -369,15 +372,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// store may give late.
 	token := newLockToken()
 	sent := time.Now()
-	acq, err := h.acquireOrWait(r.Context(), AcquireRequest{
-		Key:         rk,
-		Token:       token,
-		Fingerprint: fp,
-		Method:      r.Method,
-		Path:        r.URL.Path,
-		LockTimeout: time.Duration(h.LockTimeout),
-		Retention:   time.Duration(h.Retention),
-	})
+	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(r, rk, token, fp))
 	if err != nil {
 		h.storeError("acquire", key, credID, r, err)
 		if h.OnStoreError == onStoreErrorFailOpen {
@@ -426,6 +421,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	r.TransferEncoding = nil
 	hideKeyFromTransport(r.Header)
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
+}
+
+// acquireRequest describes r to the store, under this handler's timings.
+func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken, fp [32]byte) AcquireRequest {
+	return AcquireRequest{
+		Key:         rk,
+		Token:       token,
+		Fingerprint: fp,
+		Method:      r.Method,
+		Path:        r.URL.Path,
+		LockTimeout: time.Duration(h.LockTimeout),
+		Retention:   time.Duration(h.Retention),
+	}
 }
 
 // readBody reads the request body up to MaxRequestBody. The problem it
