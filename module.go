@@ -251,10 +251,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if *h.ReplayCache > 0 {
 		// Even in front of the memory store: a hit skips the store's
 		// lock and its defensive copy of the response.
-		rc := newReplayCache(h.store, *h.ReplayCache)
-		_, inMemory := mod.(*MemoryStore)
-		rc.learnOnComplete = !inMemory
-		h.store = rc
+		h.store = newReplayCache(h.store, *h.ReplayCache)
 	}
 	if err := h.provisionModes(mod); err != nil {
 		return err
