@@ -7,6 +7,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash"
+	"io"
 	"math"
 	"slices"
 	"strings"
@@ -130,9 +132,17 @@ const fingerprintDomain = "idempotency-fingerprint-v1\x00"
 // method, path, query and body, where a JSON body is canonicalised so
 // that key order and whitespace do not matter. Each field but the last is
 // length-prefixed, so no two distinct requests frame to the same bytes.
+//
+// The hash input is streamed: a raw body is hashed in place, and a
+// canonical one as it is written, a few KiB at a time (canonFlush), so
+// that fingerprinting a large body costs no copy of it.
 func fingerprint(method, path, rawQuery, contentType string, body []byte) [32]byte {
 	s := canonStatePool.Get().(*canonState)
 	defer s.release()
+	if s.hash == nil {
+		s.hash = sha256.New()
+	}
+	s.hash.Reset()
 
 	buf := append(s.out[:0], fingerprintDomain...)
 	for _, field := range [...]string{method, path, rawQuery} {
@@ -141,14 +151,22 @@ func fingerprint(method, path, rawQuery, contentType string, body []byte) [32]by
 	}
 	canonical := false
 	if isJSONContentType(contentType) {
+		s.sink = s.hash
 		buf, canonical = s.canonicalJSON(buf, body)
+		s.sink = nil
 	}
+	s.hash.Write(buf)
 	if !canonical {
-		buf = append(buf, body...)
+		s.hash.Write(body)
 	}
-	s.out = buf
-	return sha256.Sum256(buf)
+	s.out = buf[:0]
+	s.sum = s.hash.Sum(s.sum[:0])
+	return [32]byte(s.sum)
 }
+
+// canonFlush is how much canonical output emit buffers before it hands
+// it to the hash.
+const canonFlush = 16 << 10
 
 // canonMaxDepth bounds the nesting canonicalJSON accepts. Request bodies
 // rarely nest beyond a few dozen levels, and encoding/json gives up at
@@ -222,7 +240,12 @@ type canonState struct {
 	names  []byte
 	order  []int32
 	frames []canonFrame
-	out    []byte // fingerprint's hash input
+	out    []byte // fingerprint's hash input, before it is flushed
+	hash   hash.Hash
+	sum    []byte
+	// sink, when set, receives emit's output whenever it outgrows
+	// canonFlush (fingerprint hashes it as it goes).
+	sink io.Writer
 }
 
 func (s *canonState) release() {
@@ -374,6 +397,10 @@ func (s *canonState) emit(dst, b []byte) []byte {
 	s.order, s.frames = s.order[:0], s.frames[:0]
 	dst = s.emitValue(dst, b, 0)
 	for len(s.frames) > 0 {
+		if s.sink != nil && len(dst) >= canonFlush {
+			_, _ = s.sink.Write(dst)
+			dst = dst[:0]
+		}
 		f := &s.frames[len(s.frames)-1]
 		if f.pos == f.end {
 			if f.object {
@@ -391,7 +418,7 @@ func (s *canonState) emit(dst, b []byte) []byte {
 		if f.object {
 			k := s.order[f.pos]
 			f.pos++
-			dst = append(dst, b[s.nodes[k].start:s.nodes[k].end]...)
+			dst = s.appendRaw(dst, b[s.nodes[k].start:s.nodes[k].end])
 			dst = append(dst, ':')
 			dst = s.emitValue(dst, b, k+1)
 		} else {
@@ -430,8 +457,19 @@ func (s *canonState) emitValue(dst, b []byte, v int32) []byte {
 		s.frames = append(s.frames, canonFrame{object: true, start: start, pos: start, end: int32(len(s.order))})
 		return append(dst, '{')
 	default:
-		return append(dst, b[n.start:n.end]...)
+		return s.appendRaw(dst, b[n.start:n.end])
 	}
+}
+
+// appendRaw appends a token as it was sent; a large one goes straight to
+// the sink, if there is one, rather than through dst.
+func (s *canonState) appendRaw(dst, token []byte) []byte {
+	if s.sink == nil || len(token) < canonFlush {
+		return append(dst, token...)
+	}
+	_, _ = s.sink.Write(dst)
+	_, _ = s.sink.Write(token)
+	return dst[:0]
 }
 
 // skipJSONSpace returns the offset of the first byte at or after i that
