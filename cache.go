@@ -62,7 +62,13 @@ const (
 // must not be modified; the handler only reads them.
 type replayCache struct {
 	Store
-	capacity int64
+	// learnOnComplete: cache the responses of records this instance
+	// completes, not only those read back from the store. Off in front
+	// of the memory store, where the first replay is as cheap as the
+	// store's own answer and copying every response would only tax
+	// first executions.
+	learnOnComplete bool
+	capacity        int64
 	// maxEntry is the largest entry kept: capacity/cacheMaxEntryShare.
 	maxEntry int64
 	now      func() time.Time
@@ -105,12 +111,13 @@ type pendingRecord struct {
 // newReplayCache wraps store in a cache of capacity bytes.
 func newReplayCache(store Store, capacity int64) *replayCache {
 	c := &replayCache{
-		Store:    store,
-		capacity: capacity,
-		maxEntry: capacity / cacheMaxEntryShare,
-		now:      time.Now,
-		entries:  make(map[RecordKey]*cacheEntry),
-		pending:  make(map[LockToken]pendingRecord),
+		Store:           store,
+		learnOnComplete: true,
+		capacity:        capacity,
+		maxEntry:        capacity / cacheMaxEntryShare,
+		now:             time.Now,
+		entries:         make(map[RecordKey]*cacheEntry),
+		pending:         make(map[LockToken]pendingRecord),
 	}
 	c.lru.next, c.lru.prev = &c.lru, &c.lru
 	return c
@@ -134,12 +141,14 @@ func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 			// skew between the two, and the retention bounds the entry
 			// whatever the store's clock says.
 			life := min(rec.ExpiresAt.Sub(now)-skewMargin(req.Retention), req.Retention)
-			c.put(req.Key, rec, now.Add(life), now)
+			c.put(req.Key, rec, now.Add(life), now, false)
 		}
 	case OutcomeCreated:
 		// A takeover is not remembered: whether it restarted the
 		// record's expiry depends on the store.
-		c.remember(req, now)
+		if c.learnOnComplete {
+			c.remember(req, now)
+		}
 	}
 	return res, err
 }
@@ -156,7 +165,6 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 	if err != nil || !ok || p.key != key || resp == nil {
 		return err
 	}
-	now := c.now()
 	rec := &Record{
 		Status:      StatusCompleted,
 		Fingerprint: p.fingerprint,
@@ -164,10 +172,10 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 		Path:        p.path,
 		CreatedAt:   p.created,
 		ExpiresAt:   p.deadline,
-		// The caller keeps its response; the cache keeps its own copy.
-		Response: copyCachedResponse(resp),
+		Response:    resp,
 	}
-	c.put(key, rec, p.deadline, now)
+	// The caller keeps its response: the cache keeps its own copy.
+	c.put(key, rec, p.deadline, c.now(), true)
 	return nil
 }
 
@@ -216,8 +224,9 @@ func (c *replayCache) get(key RecordKey, now time.Time) *Record {
 
 // put caches rec, a completed record, until deadline, if it is
 // replayable and not too large, evicting the least recently used entries
-// to make room.
-func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time) {
+// to make room. With copyResp, the entry holds a copy of rec's response,
+// made only once it is known to fit.
+func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time, copyResp bool) {
 	resp := rec.Response
 	if rec.Status != StatusCompleted || resp == nil || !resp.Replayable || !now.Before(deadline) {
 		return
@@ -233,6 +242,9 @@ func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time) {
 		return
 	}
 	e := &cacheEntry{key: key, rec: *rec, deadline: deadline, size: size}
+	if copyResp {
+		e.rec.Response = copyCachedResponse(resp)
+	}
 
 	c.mu.Lock()
 	defer c.mu.Unlock()

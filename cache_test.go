@@ -115,6 +115,20 @@ func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	}
 }
 
+// In front of the memory store the cache learns from replays only: a
+// first execution costs it nothing.
+func TestReplayCacheWithoutLearnOnComplete(t *testing.T) {
+	c, inner, _, _ := newCacheTest(1 << 20)
+	c.learnOnComplete = false
+	req := memTestRequest("key-learn-late")
+	cacheExecute(t, c, req, cacheResponse("first"))
+	if len(c.pending) != 0 || len(c.entries) != 0 {
+		t.Fatalf("a first execution left %d pending records and %d entries", len(c.pending), len(c.entries))
+	}
+	wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+	wantCacheReplay(t, c, inner, req, "first")
+}
+
 func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
 	req := memTestRequest("key-other-instance")
@@ -454,6 +468,9 @@ func TestReplayCacheProvision(t *testing.T) {
 			}
 			if !ok || rc.capacity != tc.wantCache {
 				t.Fatalf("store %T, want a cache of %d bytes", h.store, tc.wantCache)
+			}
+			if rc.learnOnComplete != (tc.backend != "memory") {
+				t.Errorf("learnOnComplete = %v with the %s store", rc.learnOnComplete, tc.backend)
 			}
 		})
 	}

@@ -23,6 +23,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -251,7 +252,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if *h.ReplayCache > 0 {
 		// Even in front of the memory store: a hit skips the store's
 		// lock and its defensive copy of the response.
-		h.store = newReplayCache(h.store, *h.ReplayCache)
+		rc := newReplayCache(h.store, *h.ReplayCache)
+		_, inMemory := mod.(*MemoryStore)
+		rc.learnOnComplete = !inMemory
+		h.store = rc
 	}
 	if err := h.provisionModes(mod); err != nil {
 		return err
@@ -625,44 +629,86 @@ func nothingExecuted(err error) bool {
 // in flight, so that none races the completion, and returns when the lock
 // was last dated.
 func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) (stop func() time.Time) {
-	done := make(chan struct{})
-	last := make(chan time.Time, 1)
-	interval := h.renewInterval()
-	go func() {
-		defer func() { last <- lockedSince }()
-		t := time.NewTimer(time.Until(lockedSince.Add(interval)))
-		defer t.Stop()
-		for {
-			select {
-			case <-done:
-				return
-			case <-t.C:
-				sent := time.Now()
-				err := h.renew(rk, token)
-				if errors.Is(err, ErrLockLost) {
-					h.logger.Error("idempotency.lock_lost",
-						zap.String("key", key), zap.String("credential_id", credID),
-						zap.String("during", "renew"))
-					return
-				}
-				if err != nil {
-					h.logger.Error("idempotency.store_error",
-						zap.String("operation", "renew"), zap.String("key", key),
-						zap.String("credential_id", credID), zap.Error(err))
-					// The lock was not dated anew. Try again an interval
-					// from now, not at once against a failing store.
-					t.Reset(interval)
-					continue
-				}
-				lockedSince = sent
-				t.Reset(time.Until(sent.Add(interval)))
-			}
-		}
-	}()
-	return func() time.Time {
-		close(done)
-		return <-last
+	// A timer, not a goroutine: most requests end long before their
+	// first renewal, and starting a goroutine per request (which wakes an
+	// idle thread to run it) cost first executions more than the rest
+	// of their bookkeeping.
+	k := &lockKeeper{h: h, rk: rk, token: token, key: key, credID: credID, lockedSince: lockedSince}
+	k.mu.Lock()
+	k.timer = time.AfterFunc(time.Until(lockedSince.Add(h.renewInterval())), k.renew)
+	k.mu.Unlock()
+	return k.stop
+}
+
+// lockKeeper renews one request's lock on a timer. Its fields are
+// guarded by mu; a renewal runs on the timer's goroutine.
+type lockKeeper struct {
+	h           *Handler
+	rk          RecordKey
+	token       LockToken
+	key         string
+	credID      string
+	mu          sync.Mutex
+	timer       *time.Timer
+	stopped     bool
+	inFlight    chan struct{} // closed when the renewal in flight ends
+	lockedSince time.Time
+}
+
+func (k *lockKeeper) renew() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
 	}
+	done := make(chan struct{})
+	k.inFlight = done
+	k.mu.Unlock()
+
+	sent := time.Now()
+	err := k.h.renew(k.rk, k.token)
+
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	defer close(done)
+	k.inFlight = nil
+	interval := k.h.renewInterval()
+	switch {
+	case errors.Is(err, ErrLockLost):
+		k.h.logger.Error("idempotency.lock_lost",
+			zap.String("key", k.key), zap.String("credential_id", k.credID),
+			zap.String("during", "renew"))
+	case err != nil:
+		k.h.logger.Error("idempotency.store_error",
+			zap.String("operation", "renew"), zap.String("key", k.key),
+			zap.String("credential_id", k.credID), zap.Error(err))
+		// The lock was not dated anew. Try again an interval from
+		// now, not at once against a failing store.
+		if !k.stopped {
+			k.timer.Reset(interval)
+		}
+	default:
+		k.lockedSince = sent
+		if !k.stopped {
+			k.timer.Reset(time.Until(sent.Add(interval)))
+		}
+	}
+}
+
+// stop ends the renewals, waits for one in flight, and returns when the
+// lock was last dated.
+func (k *lockKeeper) stop() time.Time {
+	k.mu.Lock()
+	k.stopped = true
+	k.timer.Stop()
+	done := k.inFlight
+	k.mu.Unlock()
+	if done != nil {
+		<-done
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.lockedSince
 }
 
 func (h *Handler) renewInterval() time.Duration { return time.Duration(h.LockTimeout) / 3 }
