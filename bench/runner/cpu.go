@@ -74,7 +74,7 @@ func (s *cpuSampler) loop(ctx context.Context) {
 			conn.Close(context.Background())
 		}
 	}()
-	t := time.NewTicker(200 * time.Millisecond)
+	t := time.NewTicker(500 * time.Millisecond)
 	defer t.Stop()
 	for {
 		// Which Postgres backends serve the benchmark: those whose

@@ -54,6 +54,7 @@ type config struct {
 	scaleRows   int
 	pruneRows   int
 	rssConc     int
+	scaleParts  string
 	pools       string
 	rows        string
 	keep        bool
@@ -94,6 +95,7 @@ func main() {
 	flag.IntVar(&cfg.scaleRows, "scale-rows", 5_000_000, "rows preloaded for the scale benchmark")
 	flag.IntVar(&cfg.pruneRows, "prune-rows", 1_000_000, "expired rows pruned under load in the scale benchmark")
 	flag.IntVar(&cfg.rssConc, "rss-c", 64, "concurrent 1 MiB requests of the memory run")
+	flag.StringVar(&cfg.scaleParts, "scale-parts", "", "with -scale, only these parts: rows, prune, rss (default all)")
 	flag.StringVar(&cfg.pools, "pools", "", "sweep the Postgres pool size over these max_conns (e.g. 4,8,16,32) instead of the main table")
 	flag.StringVar(&cfg.rows, "rows", "", "run only these rows of the main table (e.g. 1,2,6); the ratios need their rows")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the benchmark's tables")
@@ -159,8 +161,10 @@ func run(ctx context.Context, cfg config) error {
 	if err := b.build(root); err != nil {
 		return err
 	}
-	b.sampler = newCPUSampler(cfg.dsn)
+	b.sampler = newCPUSampler(cfg.appDSN())
 	defer b.sampler.stop()
+	// The runner's own sampling is the benchmark's, not another tenant's.
+	b.sampler.track(os.Getpid(), "runner")
 	if err := b.startUpstream(); err != nil {
 		return err
 	}
