@@ -3,7 +3,9 @@ package idempotency
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
+	"net/http"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -88,11 +90,11 @@ func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 	if err := ctx.Err(); err != nil {
 		return AcquireResult{}, err
 	}
-	res, err := m.records.acquire(req)
-	if res.Record != nil {
-		// Stored responses are replaced, never changed in place, so the
-		// copy is made outside the lock.
-		res.Record.Response = copyResponse(res.Record.Response)
+	res, packed, err := m.records.acquire(req)
+	if res.Record != nil && res.Record.Status == StatusCompleted {
+		// A packed response is never changed once stored, so it is
+		// unpacked outside the lock.
+		res.Record.Response = packed.unpack()
 	}
 	return res, err
 }
@@ -102,11 +104,11 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	// Copied outside the lock: the caller may reuse its buffers.
-	resp = copyResponse(resp)
+	// Packed (copied) outside the lock: the caller may reuse its buffers.
+	packed := packResponse(resp)
 	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		rec.Status = StatusCompleted
-		rec.Response = resp
+		rec.response = packed
 	})
 	if err == nil {
 		m.records.waits.wake(key)
@@ -224,16 +226,19 @@ type memoryRecords struct {
 	waits waitSet[RecordKey]
 }
 
+// memoryRecord is a record as the memory store keeps it: its Response
+// is always nil, the completed response being kept packed instead.
 type memoryRecord struct {
 	Record
-	token LockToken
+	token    LockToken
+	response packedResponse
 }
 
 func newMemoryRecords(maxEntries int, now func() time.Time) *memoryRecords {
 	return &memoryRecords{now: now, maxEntries: maxEntries, m: make(map[RecordKey]*memoryRecord)}
 }
 
-func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
+func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
@@ -247,7 +252,7 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
 			s.dropExpired(now, 0)
 		}
 		if len(s.m) >= s.maxEntries {
-			return AcquireResult{}, ErrStoreFull
+			return AcquireResult{}, packedResponse{}, ErrStoreFull
 		}
 		rec = &memoryRecord{token: req.Token, Record: Record{
 			Status:      StatusInProgress,
@@ -262,7 +267,7 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
 		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
 			s.earliest = rec.ExpiresAt
 		}
-		return AcquireResult{Outcome: OutcomeCreated}, nil
+		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
 	}
 	// Only the same request may take over a stale lock: a different one
 	// under the same key must get its mismatch, not run in place of a
@@ -271,10 +276,10 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, error) {
 		// A fresh retention, as the Postgres store gives: a record that
 		// expired under its new owner would let yet another request run.
 		rec.token, rec.LockedAt, rec.ExpiresAt = req.Token, now, now.Add(req.Retention)
-		return AcquireResult{Outcome: OutcomeTakenOver}, nil
+		return AcquireResult{Outcome: OutcomeTakenOver}, packedResponse{}, nil
 	}
 	snapshot := rec.Record
-	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, nil
+	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, rec.response, nil
 }
 
 // owned runs f on the in_progress record of key if token owns it, under
@@ -316,16 +321,89 @@ func (s *memoryRecords) Destruct() error {
 	return nil
 }
 
-// copyResponse returns a deep copy of r, so that neither the store nor its
-// callers see the other's later changes.
-func copyResponse(r *Response) *Response {
-	if r == nil {
-		return nil
+// packedResponse is a completed response as the memory store keeps it:
+// its headers and body in one allocation that holds no pointers. A store
+// of many records then costs the garbage collector one small object to
+// scan per record instead of a header map, its slices and strings, which
+// with a large store was most of a first execution's collection cost.
+type packedResponse struct {
+	status     int
+	replayable bool
+	bodySize   int64
+	// data is the headers, each as uvarint(len(name)) name
+	// uvarint(len(values)) and uvarint(len(value)) value for each value,
+	// then, from headerEnd, the body. It is never changed once stored.
+	data      []byte
+	headerEnd int
+}
+
+// packResponse copies r into a packedResponse.
+func packResponse(r *Response) packedResponse {
+	size := len(r.Body)
+	for name, values := range r.Header {
+		size += 2*binary.MaxVarintLen16 + len(name)
+		for _, v := range values {
+			size += binary.MaxVarintLen32 + len(v)
+		}
 	}
-	c := *r
-	c.Header = r.Header.Clone()
-	c.Body = bytes.Clone(r.Body)
-	return &c
+	data := make([]byte, 0, size)
+	for name, values := range r.Header {
+		data = binary.AppendUvarint(data, uint64(len(name)))
+		data = append(data, name...)
+		data = binary.AppendUvarint(data, uint64(len(values)))
+		for _, v := range values {
+			data = binary.AppendUvarint(data, uint64(len(v)))
+			data = append(data, v...)
+		}
+	}
+	headerEnd := len(data)
+	data = append(data, r.Body...)
+	return packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, data: data, headerEnd: headerEnd}
+}
+
+// unpack returns a Response of the caller's own, in four allocations
+// whatever the number of headers: the map, the value slices, the strings
+// (one, which every name and value slices) and the body.
+func (p packedResponse) unpack() *Response {
+	r := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
+	if p.data == nil {
+		return r
+	}
+	hs := string(p.data[:p.headerEnd])
+	// The data is the store's own, packed above: it is well formed.
+	next := func(i int) (int, int) {
+		n, w := binary.Uvarint(p.data[i:])
+		return int(n), i + w
+	}
+	names, values := 0, 0
+	for i := 0; i < p.headerEnd; {
+		n, j := next(i)
+		c, k := next(j + n)
+		names, values = names+1, values+c
+		i = k
+		for range c {
+			n, j = next(i)
+			i = j + n
+		}
+	}
+	r.Header = make(http.Header, names)
+	all := make([]string, values)
+	for i := 0; i < p.headerEnd; {
+		n, j := next(i)
+		name := hs[j : j+n]
+		c, k := next(j + n)
+		i = k
+		vs := all[:c:c]
+		all = all[c:]
+		for v := range vs {
+			n, j = next(i)
+			vs[v] = hs[j : j+n]
+			i = j + n
+		}
+		r.Header[name] = vs
+	}
+	r.Body = bytes.Clone(p.data[p.headerEnd:])
+	return r
 }
 
 // Interface guards

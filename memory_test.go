@@ -1,10 +1,12 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -504,5 +506,39 @@ func TestMemoryUnmarshalCaddyfile(t *testing.T) {
 				t.Fatalf("MaxEntries = %d, want %d", m.MaxEntries, tc.want)
 			}
 		})
+	}
+}
+
+// A packed response unpacks to what was packed: every name, every value
+// in its order, the body, and the fields beside them.
+func TestPackedResponseRoundTrip(t *testing.T) {
+	long := strings.Repeat("v", 70000) // a length that takes three varint bytes
+	cases := map[string]*Response{
+		"headers and body": {Status: 201, Replayable: true, BodySize: 4,
+			Header: http.Header{"Content-Type": {"application/json"}, "Vary": {"Accept", "Origin", ""}, "X-Long": {long}},
+			Body:   []byte("body")},
+		"no headers, no body": {Status: 204, Replayable: true},
+		"not replayable":      {Status: 200, BodySize: 1 << 30, Header: http.Header{"X-A": {"1"}}},
+		"empty header value":  {Status: 200, Replayable: true, Header: http.Header{"X-Empty": {""}}, Body: []byte{}},
+	}
+	for name, want := range cases {
+		got := packResponse(want).unpack()
+		if got.Status != want.Status || got.Replayable != want.Replayable || got.BodySize != want.BodySize ||
+			!bytes.Equal(got.Body, want.Body) || len(got.Header) != len(want.Header) {
+			t.Errorf("%s: unpacked %+v, want %+v", name, got, want)
+			continue
+		}
+		for k, vs := range want.Header {
+			if !slices.Equal(got.Header[k], vs) {
+				t.Errorf("%s: header %s = %q, want %q", name, k, got.Header[k], vs)
+			}
+		}
+		// Appending to one header's values must not write over the next.
+		if vs := got.Header["Vary"]; vs != nil {
+			_ = append(vs, "X")
+			if got.Header.Get("X-Long") != long {
+				t.Errorf("%s: appending to Vary changed X-Long", name)
+			}
+		}
 	}
 }
