@@ -872,3 +872,63 @@ func TestPostgresUnmarshalCaddyfile(t *testing.T) {
 		})
 	}
 }
+
+// The statements of the request path find their row through the primary
+// key even when the table is mostly expired rows, which is what it looks
+// like to the planner during a pruning backlog: there, the expires_at
+// index looks as if it held next to no live row, and a lookup through it
+// filters every live record. Both the generic plan of a prepared
+// statement and a custom one are checked.
+func TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 2)
+	ctx := context.Background()
+	mustExec(t, s, `INSERT INTO `+s.table.quoted()+` (credential_hash, key, fingerprint, method, path, status,
+	created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
+SELECT sha256(('tenant-' || (i % 100))::bytea), 'expired-' || i, sha256(i::text::bytea), 'POST', '/v1/charges',
+	'completed', now() - interval '2 days', now() - interval '1 day', 200, '{}', '\x00', true, 1
+FROM generate_series(1, 20000) AS i`)
+	mustExec(t, s, "ANALYZE "+s.table.quoted())
+
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	const (
+		hash  = `'\x` + "0000000000000000000000000000000000000000000000000000000000000000" + `'::bytea`
+		token = `'\x` + "00000000000000000000000000000000" + `'::bytea`
+	)
+	statements := map[string]struct{ sql, args string }{
+		"lookup":   {s.sql.lookup, hash + `, 'key-00000001'`},
+		"acquire":  {s.sql.acquire, hash + `, 'key-00000001', ` + hash + `, 'POST', '/v1/charges', ` + token + `, '24h'::interval, '30s'::interval`},
+		"complete": {s.sql.complete, hash + `, 'key-00000001', ` + token + `, 200, '{}'::jsonb, '\x00'::bytea, true, 1`},
+		"renew":    {s.sql.renew, hash + `, 'key-00000001', ` + token},
+		"release":  {s.sql.release, hash + `, 'key-00000001', ` + token},
+	}
+	for name, st := range statements {
+		if _, err := conn.Exec(ctx, "PREPARE plan_check AS "+st.sql); err != nil {
+			t.Fatalf("%s: PREPARE: %v", name, err)
+		}
+		for _, mode := range []string{"force_generic_plan", "force_custom_plan"} {
+			if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+mode); err != nil {
+				t.Fatal(err)
+			}
+			rows, err := conn.Query(ctx, "EXPLAIN EXECUTE plan_check("+st.args+")", pgx.QueryExecModeSimpleProtocol)
+			if err != nil {
+				t.Fatalf("%s, %s: EXPLAIN: %v", name, mode, err)
+			}
+			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				t.Fatalf("%s, %s: EXPLAIN: %v", name, mode, err)
+			}
+			plan := strings.Join(lines, "\n")
+			if strings.Contains(plan, "expires_at_idx") || !strings.Contains(plan, "_pkey") {
+				t.Errorf("%s, %s: the plan does not look the key up through the primary key:\n%s", name, mode, plan)
+			}
+		}
+		if _, err := conn.Exec(ctx, "DEALLOCATE plan_check"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
