@@ -57,9 +57,11 @@ type PostgresStore struct {
 	table   tableName
 	poolKey postgresPoolKey
 	pool    *pgxpool.Pool
-	cleaned int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
-	sql     postgresSQL
-	logger  *zap.Logger
+	// admitted is the pool's: see Acquire.
+	admitted chan struct{}
+	cleaned  int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
+	sql      postgresSQL
+	logger   *zap.Logger
 	// busy and drainMax are set by the handler (keepPoolWhile).
 	busy     func() bool
 	drainMax time.Duration
@@ -93,7 +95,23 @@ type postgresPoolKey struct {
 }
 
 // sharedPool lets the usage pool close a pgxpool with its last reference.
-type sharedPool struct{ *pgxpool.Pool }
+type sharedPool struct {
+	*pgxpool.Pool
+	// admitted bounds the acquires running at once, below the pool's
+	// size (acquireSlots): see Acquire.
+	admitted chan struct{}
+}
+
+// ownerConns is how many of a pool's connections are kept from acquires
+// for the requests that already own a record (renew, complete, release),
+// up to a quarter of the pool.
+const ownerConns = 2
+
+// acquireSlots is how many acquires may hold connections of a pool of
+// maxConns at once.
+func acquireSlots(maxConns int32) int {
+	return int(maxConns - min(ownerConns, maxConns/4))
+}
 
 func (p sharedPool) Destruct() error {
 	p.Close()
@@ -164,13 +182,13 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		if err != nil {
 			return nil, fmt.Errorf("postgres store: opening pool: %w", err)
 		}
-		return sharedPool{pool}, nil
+		return sharedPool{Pool: pool, admitted: make(chan struct{}, acquireSlots(key.maxConns))}, nil
 	})
 	if err != nil {
 		return err
 	}
 	s.poolKey = key
-	s.pool = val.(sharedPool).Pool
+	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
 	s.sql = newPostgresSQL(s.table.quoted())
 
 	if s.Migrate == nil || *s.Migrate {
@@ -351,7 +369,23 @@ WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT 
 const acquireAttempts = 5
 
 // Acquire implements Store.
+//
+// Acquires take at most acquireSlots of the pool's connections at once.
+// A request that owns a record must renew its lock and complete it
+// before the lock goes stale, or a retry takes the record over and runs
+// the request a second time. When the database falls behind, new
+// requests queue for connections faster than they get them; if owners
+// queued behind them, their renewals and completions would wait as long.
+// So new requests wait here instead, and the connections kept from them
+// serve the owners first: under overload, new requests are slowed or
+// refused (503, after the store timeout), never the ones in flight.
 func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	select {
+	case s.admitted <- struct{}{}:
+		defer func() { <-s.admitted }()
+	case <-ctx.Done():
+		return AcquireResult{}, fmt.Errorf("postgres store: acquire: waiting for a connection: %w", ctx.Err())
+	}
 	for range acquireAttempts {
 		res, err := s.acquireOnce(ctx, req)
 		if errors.Is(err, pgx.ErrNoRows) {

@@ -932,3 +932,90 @@ FROM generate_series(1, 20000) AS i`)
 		}
 	}
 }
+
+// Requests that own a record get connections while new requests queue
+// for them: with every acquire stuck in the database, the owner of a
+// record still renews its lock, completes its record and releases
+// another within a second. Without connections kept from acquires, the
+// owner would queue behind them until its lock went stale, and a retry
+// would then run its request a second time.
+func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
+	t.Parallel()
+	const maxConns = 8
+	s := newTestPostgresStore(t, freshTable(t), maxConns)
+	ctx := context.Background()
+
+	owned := testAcquireRequest("cred", "key-owned-1", "body")
+	mustAcquirePG(t, s, owned, OutcomeCreated)
+	released := testAcquireRequest("cred", "key-owned-2", "body")
+	mustAcquirePG(t, s, released, OutcomeCreated)
+	hot := testAcquireRequest("cred", "key-hot", "body")
+	mustAcquirePG(t, s, hot, OutcomeCreated)
+
+	// Another session locks the hot record's row: every acquire of that
+	// key waits for the lock inside its statement, holding a connection.
+	locker, err := pgx.Connect(ctx, testDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locker.Close(ctx)
+	tx, err := locker.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM "+s.table.quoted()+" WHERE key = 'key-hot' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	stuckCtx, unstick := context.WithTimeout(ctx, 20*time.Second)
+	defer unstick()
+	var stuck sync.WaitGroup
+	for range 3 * maxConns {
+		stuck.Add(1)
+		go func() {
+			defer stuck.Done()
+			_, _ = s.Acquire(stuckCtx, retryPG(hot))
+		}()
+	}
+	// Wait until the acquires hold every connection they may. (Not
+	// asked of the locker: a transaction sees one snapshot of the
+	// activity statistics.)
+	watcher, err := pgx.Connect(ctx, testDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer watcher.Close(ctx)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var waiting int
+		if err := watcher.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO '||$1||'%'`,
+			s.table.quoted()).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting >= acquireSlots(maxConns) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d acquires are waiting for the row lock, want %d", waiting, acquireSlots(maxConns))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	ownerCtx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	if err := s.Renew(ownerCtx, owned.Key, owned.Token); err != nil {
+		t.Errorf("renew while acquires queue: %v", err)
+	}
+	if err := s.Complete(ownerCtx, owned.Key, owned.Token, &Response{Status: 201, Replayable: true}); err != nil {
+		t.Errorf("complete while acquires queue: %v", err)
+	}
+	if err := s.Release(ownerCtx, released.Key, released.Token); err != nil {
+		t.Errorf("release while acquires queue: %v", err)
+	}
+
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stuck.Wait()
+}
