@@ -16,7 +16,8 @@ package idempotency
 //
 // The short run (2,000 keys) is part of `go test`. The long run, `make
 // soak`, sends 20,000 (IDEMPOTENCY_SOAK=1; IDEMPOTENCY_SOAK_KEYS=<n> for
-// another count) to Caddy processes built with the race detector. Every
+// another count; IDEMPOTENCY_SOAK_LOCK=<duration> for another lock_timeout)
+// to Caddy processes built with the race detector. Every
 // run logs its seed; IDEMPOTENCY_SEED=<n> replays that workload (the
 // same plans and client decisions; the interleaving is the machine's).
 
@@ -65,6 +66,14 @@ func invariantRunParams(t *testing.T) (invariantParams, uint64) {
 	}
 	if os.Getenv("IDEMPOTENCY_CADDY_RACE") == "1" {
 		p.lockTimeout = 4 * time.Second
+	}
+	if s := os.Getenv("IDEMPOTENCY_SOAK_LOCK"); s != "" {
+		// A shorter lock probes the margin of the lease under load.
+		d, err := time.ParseDuration(s)
+		if err != nil || d <= 0 {
+			t.Fatalf("IDEMPOTENCY_SOAK_LOCK=%q: want a positive duration", s)
+		}
+		p.lockTimeout = d
 	}
 	seed := uint64(time.Now().UnixNano())
 	if s := os.Getenv("IDEMPOTENCY_SEED"); s != "" {
