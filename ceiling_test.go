@@ -256,7 +256,11 @@ FROM generate_series($3::int, $4::int) AS i`, s.table.quoted(), nonce, expires),
 			return err
 		}
 	}
-	if _, err := s.pool.Exec(ctx, "ANALYZE "+s.table.quoted()); err != nil {
+	// Vacuum now what autovacuum would otherwise vacuum during the rows
+	// measured next: millions of rows inserted at once cross its insert
+	// threshold, and a table that grew over days would have been
+	// vacuumed as it grew.
+	if _, err := s.pool.Exec(ctx, "VACUUM (ANALYZE) "+s.table.quoted()); err != nil {
 		return err
 	}
 	// Write the preload's pages out now rather than in a checkpoint

@@ -76,14 +76,25 @@ func (b *bench) scaleRows(ctx context.Context, run runNames, t *tables, sc *scal
 		return err
 	}
 	sc.PreloadRows, sc.PreloadSeconds = b.cfg.scaleRows, time.Since(start).Seconds()
-	var err error
-	if sc.First, err = b.httpRow(ctx, "2@big", fmt.Sprintf("first execution, Postgres, %s rows", count(b.cfg.scaleRows)),
-		b.postgresSite(t.main, ""), firstArgs(run.name("s2"))...); err != nil {
-		return err
+	// As many rounds as rows 2 and 3 had, keeping the best: a best of
+	// two against a single measurement would favour the empty table.
+	var rounds [][]row
+	for r := 1; r <= b.cfg.rounds; r++ {
+		first, err := b.httpRow(ctx, "2@big", fmt.Sprintf("first execution, Postgres, %s rows", count(b.cfg.scaleRows)),
+			b.postgresSite(t.main, ""), firstArgs(run.name("s2"+strconv.Itoa(r%10)))...)
+		if err != nil {
+			return err
+		}
+		replay, err := b.httpRow(ctx, "3@big", fmt.Sprintf("replay, Postgres, no cache, %s rows", count(b.cfg.scaleRows)),
+			b.postgresSite(t.main, "replay_cache off"), replayArgs(run.name("3"), b.cfg.keys)...)
+		if err != nil {
+			return err
+		}
+		rounds = append(rounds, []row{first, replay})
 	}
-	sc.Replay, err = b.httpRow(ctx, "3@big", fmt.Sprintf("replay, Postgres, no cache, %s rows", count(b.cfg.scaleRows)),
-		b.postgresSite(t.main, "replay_cache off"), replayArgs(run.name("3"), b.cfg.keys)...)
-	return err
+	best := bestRounds(rounds)
+	sc.First, sc.Replay = best[0], best[1]
+	return nil
 }
 
 // scalePrune measures first executions without and then during the
