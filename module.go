@@ -575,6 +575,10 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	rec := newRecorder(w, h.MaxResponseBody)
 	err := next.ServeHTTP(rec, r.WithContext(execCtx))
 	lockedAt := stopRenew()
+	// The body has been handed on (and read to its end): let it go
+	// before the completion copies the response, so that a request holds
+	// its body or its response's copies, not both.
+	r.Body = http.NoBody
 
 	if err != nil && !rec.wroteHeader {
 		if execCtx.Err() == nil && nothingExecuted(err) {
