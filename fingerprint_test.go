@@ -355,7 +355,9 @@ func FuzzCanonicalJSON(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		out, ok := canonicalJSON(nil, in)
-		_ = fingerprint("POST", "/", "", "application/json", in)
+		if got, want := fingerprint("POST", "/", "", "application/json", in), referenceFingerprint("POST", "/", "", "application/json", in); got != want {
+			t.Fatalf("the streamed fingerprint of %q differs from the whole-input one", in)
+		}
 		if !ok {
 			if out != nil {
 				t.Fatalf("not ok but wrote %q", out)
