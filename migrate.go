@@ -132,6 +132,22 @@ func applyMigration(ctx context.Context, db TxBeginner, t tableName, m migration
 	).Scan(&done); err != nil {
 		return false, err
 	}
+	if done && m.version == 1 {
+		// The bookkeeping outlives a table dropped by hand, and would
+		// keep it from being created again: every request would then
+		// fail on a missing relation. A missing table is a table with no
+		// migrations, the later ones included.
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.quoted()).Scan(&exists); err != nil {
+			return false, err
+		}
+		if !exists {
+			if _, err := tx.Exec(ctx, `DELETE FROM `+bookkeeping+` WHERE table_name = $1`, t.String()); err != nil {
+				return false, err
+			}
+			done = false
+		}
+	}
 	if done {
 		return false, tx.Commit(ctx)
 	}
