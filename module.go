@@ -315,9 +315,11 @@ func validToken(s string) bool {
 
 // ServeHTTP implements the request path of the contract, step by step.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if _, protected := h.methods[r.Method]; !protected || isUpgrade(r) {
-		// Upgrades (WebSocket) hijack the connection past any recorder,
-		// so there is no response to store: pass them through.
+	if _, protected := h.methods[r.Method]; !protected || r.Method == http.MethodGet && isUpgrade(r) {
+		// A WebSocket handshake (a GET, if GET is protected at all)
+		// hijacks the connection past any recorder, so there is no
+		// response to store: it passes through. Upgrade headers on any
+		// other method do not buy a way around the key.
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)

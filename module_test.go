@@ -553,6 +553,7 @@ func TestRejectedRequestsReachNothing(t *testing.T) {
 			status int
 		}{
 			{"missing key", call{Body: payBody()}, http.StatusBadRequest},
+			{"missing key, upgrade headers", call{Body: payBody(), Header: map[string]string{"Connection": "Upgrade", "Upgrade": "websocket"}}, http.StatusBadRequest},
 			{"key of 7 bytes", call{Key: "abcdefg", Body: payBody()}, http.StatusBadRequest},
 			{"key of 256 bytes", call{Key: strings.Repeat("k", 256), Body: payBody()}, http.StatusBadRequest},
 			{"key with a tab", call{Key: "abcd\tefgh", Body: payBody()}, http.StatusBadRequest},
