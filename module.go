@@ -760,7 +760,15 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
-	if err := h.store.Release(ctx, rk, token); err != nil && !errors.Is(err, ErrLockLost) {
+	switch err := h.store.Release(ctx, rk, token); {
+	case errors.Is(err, ErrLockLost):
+		// Nothing was released: the record is another request's now.
+		h.logger.Warn("idempotency.lock_lost",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("during", "release"))
+		return
+	case err != nil:
 		h.storeError("release", key, credID, r, err)
 		return
 	}
