@@ -575,8 +575,22 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	repl.Set("http.idempotency.result", h.result(resultExecuted))
 	stopRenew := h.keepLock(rk, token, key, credID, lockedSince)
 	rec := newRecorder(w, h.MaxResponseBody)
-	err := next.ServeHTTP(rec, r.WithContext(execCtx))
+	panicked, err := serveRecovering(next, rec, r.WithContext(execCtx))
 	lockedAt := stopRenew()
+	if panicked != nil {
+		// reverse_proxy panics with http.ErrAbortHandler when the
+		// upstream fails in the middle of its response, and `abort`
+		// always does. Unrecorded, the record would stay in progress,
+		// and every retry get 409 until the record expired. The upstream
+		// may have acted, so the answer stored is the outcome-unknown
+		// one, not the part of a response that the client got.
+		h.logger.Error("idempotency.outcome_unknown",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Any("panic", panicked))
+		h.complete(rk, token, key, credID, r, probOutcomeUnknown.response(), lockedAt)
+		panic(panicked)
+	}
 	// The body has been handed on (and read to its end): let it go
 	// before the completion copies the response, so that a request holds
 	// its body or its response's copies, not both.
@@ -603,6 +617,13 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 
 	h.complete(rk, token, key, credID, r, rec.response(h.excluded), lockedAt)
 	return nil
+}
+
+// serveRecovering calls next, and returns what it panicked with, if it
+// did, instead of panicking.
+func serveRecovering(next caddyhttp.Handler, w http.ResponseWriter, r *http.Request) (panicked any, err error) {
+	defer func() { panicked = recover() }()
+	return nil, next.ServeHTTP(w, r)
 }
 
 // nothingExecuted reports whether err proves that the request never

@@ -1439,3 +1439,33 @@ func TestCaddyfileErrors(t *testing.T) {
 		})
 	}
 }
+
+// A next handler that panics (reverse_proxy when the upstream fails in
+// the middle of its response; here `abort`) still ends its record: the
+// retry gets the stored outcome-unknown answer, not 409 for as long as a
+// lock that nobody stops renewing lives.
+func TestPanickingHandlerCompletesItsRecord(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		lock_timeout 1s
+	}
+	abort
+}
+`, port, sb.Block()))
+		c := call{Key: newKey(), Body: payBody()}
+		if r, err := s.DoCtx(context.Background(), c); err == nil {
+			t.Fatalf("an aborted request got an answer: %s", r)
+		}
+		// Past lock_timeout: a lock that were still renewed would answer
+		// 409, and one left to go stale would be taken over.
+		time.Sleep(1500 * time.Millisecond)
+		r := s.Do(t, c)
+		if r.Status != http.StatusBadGateway || !r.replayed() || !bytes.Contains(r.Body, []byte("#outcome-unknown")) {
+			t.Fatalf("retry after an abort: %s; want the stored outcome-unknown problem, replayed", r)
+		}
+		wantReplayOf(t, s.Do(t, c), r)
+	})
+}

@@ -91,14 +91,30 @@ func (p problem) withDetail(detail string) problem {
 // whole seconds (rounded up, since a client that comes back early only
 // meets the same answer again).
 func (p problem) write(w http.ResponseWriter, retryAfterSeconds int) {
-	body, _ := json.Marshal(p) // a struct of strings and an int always marshals
+	resp := p.response()
 	h := w.Header()
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Content-Length", strconv.Itoa(len(body)))
-	h.Set("Cache-Control", "no-store")
+	for name, values := range resp.Header {
+		h[name] = values
+	}
 	if retryAfterSeconds > 0 {
 		h.Set("Retry-After", strconv.Itoa(retryAfterSeconds))
 	}
-	w.WriteHeader(p.Status)
-	_, _ = w.Write(body)
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
+}
+
+// response is p as a response to store.
+func (p problem) response() *Response {
+	body, _ := json.Marshal(p) // a struct of strings and an int always marshals
+	return &Response{
+		Status: p.Status,
+		Header: http.Header{
+			"Content-Type":   {"application/problem+json"},
+			"Content-Length": {strconv.Itoa(len(body))},
+			"Cache-Control":  {"no-store"},
+		},
+		Body:       body,
+		Replayable: true,
+		BodySize:   int64(len(body)),
+	}
 }
