@@ -157,6 +157,8 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 	restoreBody(r, body, nil)
 
+	h.executing.Add(1)
+	defer h.executing.Add(-1)
 	token := newLockToken()
 	sent := time.Now() // the lock is dated no earlier: see ServeHTTP
 	acq, err := h.acquire(r.Context(), h.acquireRequest(r, rk, token, fp))

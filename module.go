@@ -168,9 +168,11 @@ type Handler struct {
 	excluded  map[string]struct{}
 	logger    *zap.Logger
 	retrySecs int
-	// executing counts the requests that own a record (from execute to
-	// their completion): the store keeps its connections for them when
-	// a reload unloads this handler under them.
+	// executing counts the requests that may own a record, from before
+	// their acquire is sent to their completion or release: the store
+	// keeps its connections for them when a reload unloads this handler
+	// under them. (From the acquire on: one that is still in flight when
+	// the pool closes may commit all the same.)
 	executing *atomic.Int64
 }
 
@@ -373,6 +375,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// the acquire reaches it, so the lock is no older than sent: its
 	// renewals are timed from sent, not from the answer, which a loaded
 	// store may give late.
+	h.executing.Add(1)
+	defer h.executing.Add(-1)
 	token := newLockToken()
 	sent := time.Now()
 	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(r, rk, token, fp))
@@ -553,8 +557,6 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 // stores its response, or releases the key if nothing can have run. The
 // lock was dated no earlier than lockedSince.
 func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) error {
-	h.executing.Add(1)
-	defer h.executing.Add(-1)
 	// The protected work must not be cancelled by the client going away:
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
