@@ -280,7 +280,7 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 			credential = strings.TrimRight(line, "\r\n")
 		}
 		sum := sha256.Sum256([]byte(credential))
-		return cliTarget{key: key, prefix: sum[:], id: hex.EncodeToString(sum[:6])}, nil
+		return cliTarget{key: key, prefix: sum[:], id: credentialID(sum)}, nil
 	case id != "":
 		prefix, err := hex.DecodeString(id)
 		if err != nil || len(prefix) < 6 || len(prefix) > sha256.Size {

@@ -7,7 +7,6 @@ package idempotency
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"net/http"
@@ -147,7 +146,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		return pass(resultRejected)
 	}
 	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
-	credID := hex.EncodeToString(rk.CredentialHash[:6])
+	credID := credentialID(rk.CredentialHash)
 	body, prob := h.readBody(r)
 	if prob != nil {
 		wouldReject(key, *prob)
@@ -174,12 +173,6 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 			zap.String("method", r.Method), zap.String("path", r.URL.Path),
 		}, extra...)...)
 		return pass(would)
-	}
-	if acq.Outcome == OutcomeTakenOver {
-		h.logger.Warn("idempotency.takeover",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
-			zap.Duration("lock_timeout", time.Duration(h.LockTimeout)))
 	}
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
 }

@@ -11,7 +11,6 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -359,7 +358,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.reject(w, repl, key, probCredentialMissing)
 	}
 	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
-	credID := hex.EncodeToString(rk.CredentialHash[:6])
+	credID := credentialID(rk.CredentialHash)
 
 	// 3. Body, read whole (bounded) and handed on intact.
 	body, prob := h.readBody(r)
@@ -392,12 +391,6 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if acq.Outcome == OutcomeExisting {
 		return h.existing(w, r, repl, key, credID, fp, acq.Record)
 	}
-	if acq.Outcome == OutcomeTakenOver {
-		h.logger.Warn("idempotency.takeover",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
-			zap.Duration("lock_timeout", time.Duration(h.LockTimeout)))
-	}
 	// An acquire answered later than a renewal would be due holds a lock
 	// that may be about to go stale, or that a retry may already have
 	// taken over: confirm it before anything runs, since nothing that
@@ -423,10 +416,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 7–9. Execute, then complete or release.
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	r.ContentLength = int64(len(body))
-	r.TransferEncoding = nil
-	hideKeyFromTransport(r.Header)
+	restoreBody(r, body, nil)
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
 }
 
@@ -809,7 +799,22 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResul
 	// retry, as step 7 has it.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
-	return h.store.Acquire(ctx, req)
+	res, err := h.store.Acquire(ctx, req)
+	if err == nil && res.Outcome == OutcomeTakenOver {
+		// Logged here, where every acquire passes (a shadow one, one
+		// while waiting), rather than by each caller.
+		h.logger.Warn("idempotency.takeover",
+			zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
+			zap.String("method", req.Method), zap.String("path", req.Path),
+			zap.Duration("lock_timeout", req.LockTimeout))
+	}
+	return res, err
+}
+
+// credentialID is how logs and the CLI name a credential: the first 6
+// bytes of its SHA-256, in hex, never the credential itself.
+func credentialID(hash [32]byte) string {
+	return hex.EncodeToString(hash[:6])
 }
 
 func (h *Handler) storeError(op, key, credID string, r *http.Request, err error) {

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"encoding/hex"
 	"sync"
 	"time"
 
@@ -39,7 +38,7 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest) (Acquir
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.wait"); c != nil {
 		c.Write(zap.String("key", req.Key.Key),
-			zap.String("credential_id", hex.EncodeToString(req.Key.CredentialHash[:6])),
+			zap.String("credential_id", credentialID(req.Key.CredentialHash)),
 			zap.String("method", req.Method), zap.String("path", req.Path),
 			zap.Float64("waited_seconds", time.Since(start).Seconds()),
 			zap.Int("waits", waits), zap.Bool("still_in_progress", err == nil && waitable(acq, req)))
