@@ -402,6 +402,9 @@ LIMIT `+fmt.Sprint(cliListLimit), t.key, t.prefix, prefixEnd(t.prefix))
 		err := row.Scan(&r.credHash, &r.Status, &r.Method, &r.Path, &r.Created, &r.Expires,
 			&r.Expired, &r.Locked, &r.ResponseStatus, &r.Replayable, &r.BodySize,
 			&r.StoredBody, &r.StoredHeaders, &r.now)
+		if err != nil {
+			return nil, err
+		}
 		r.CredentialHash = hex.EncodeToString(r.credHash)
 		r.CredentialID = r.CredentialHash[:12]
 		r.Created, r.Expires, r.now = r.Created.UTC(), r.Expires.UTC(), r.now.UTC()
@@ -409,7 +412,7 @@ LIMIT `+fmt.Sprint(cliListLimit), t.key, t.prefix, prefixEnd(t.prefix))
 			l := r.Locked.UTC()
 			r.Locked = &l
 		}
-		return r, err
+		return r, nil
 	})
 	return recs, db.explain(err)
 }

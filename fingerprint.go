@@ -174,28 +174,6 @@ const canonFlush = 16 << 10
 // insensitive to key order and whitespace.
 const canonMaxDepth = 512
 
-// canonicalJSON appends the canonical form of the JSON text body to dst:
-// object members sorted by their decoded names (ties keep their order, so
-// `{"a":1,"a":2}` and `{"a":2,"a":1}` stay different), numbers and
-// strings copied byte for byte as sent (`1.0` is not `1`, `"\u00e9"` is
-// not `"é"`), insignificant whitespace dropped.
-//
-// It returns dst unchanged and false when body is not a JSON text per
-// RFC 8259 (trailing data, invalid UTF-8, a leading byte order mark), or
-// nests deeper than canonMaxDepth. Invalid UTF-8 is rejected rather than
-// kept because names that decode alike must sort alike, and encoding/json
-// decodes every invalid byte to U+FFFD: the caller then hashes the body
-// raw.
-//
-// Names sort by their UTF-8 bytes, that is by code point; this is not
-// RFC 8785 (which sorts by UTF-16 code unit) and need not be, as the
-// output is only ever hashed.
-func canonicalJSON(dst, body []byte) ([]byte, bool) {
-	s := canonStatePool.Get().(*canonState)
-	defer s.release()
-	return s.canonicalJSON(dst, body)
-}
-
 // canonStatePool keeps the parser's scratch slices between calls, so
 // that canonicalising a typical body allocates nothing.
 var canonStatePool = sync.Pool{New: func() any { return new(canonState) }}
@@ -255,6 +233,22 @@ func (s *canonState) release() {
 	canonStatePool.Put(s)
 }
 
+// canonicalJSON appends the canonical form of the JSON text body to dst:
+// object members sorted by their decoded names (ties keep their order, so
+// `{"a":1,"a":2}` and `{"a":2,"a":1}` stay different), numbers and
+// strings copied byte for byte as sent (`1.0` is not `1`, `"\u00e9"` is
+// not `"é"`), insignificant whitespace dropped.
+//
+// It returns dst unchanged and false when body is not a JSON text per
+// RFC 8259 (trailing data, invalid UTF-8, a leading byte order mark), or
+// nests deeper than canonMaxDepth. Invalid UTF-8 is rejected rather than
+// kept because names that decode alike must sort alike, and encoding/json
+// decodes every invalid byte to U+FFFD: the caller then hashes the body
+// raw.
+//
+// Names sort by their UTF-8 bytes, that is by code point; this is not
+// RFC 8785 (which sorts by UTF-16 code unit) and need not be, as the
+// output is only ever hashed.
 func (s *canonState) canonicalJSON(dst, body []byte) ([]byte, bool) {
 	if len(body) > math.MaxInt32 || !s.parse(body) {
 		return dst, false

@@ -504,3 +504,11 @@ func BenchmarkCanonicalJSON(b *testing.B) {
 		}
 	}
 }
+
+// canonicalJSON is the canonical form of body from a pooled state, as
+// fingerprint computes it.
+func canonicalJSON(dst, body []byte) ([]byte, bool) {
+	s := canonStatePool.Get().(*canonState)
+	defer s.release()
+	return s.canonicalJSON(dst, body)
+}

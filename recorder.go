@@ -59,7 +59,7 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.wroteHeader = true
 	rec.status = status
 	rec.header = rec.ResponseWriter.Header().Clone()
-	if cl := rec.header.Get("Content-Length"); cl != "" && !rec.overflow {
+	if cl := rec.header.Get("Content-Length"); cl != "" {
 		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 && n <= rec.limit {
 			rec.body = make([]byte, 0, n)
 		}
