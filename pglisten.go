@@ -56,6 +56,8 @@ func (s *PostgresStore) EnableWaiting() {
 	s.listener = val.(*pgListener)
 	s.channel = notifyChannel(s.table)
 	s.listener.subscribe(s.channel)
+	s.sql.complete = notifying(s.sql.complete, 8)
+	s.sql.release = notifying(s.sql.release, 3)
 }
 
 // WaitCompleted implements Waiter.
@@ -72,17 +74,13 @@ func (s *PostgresStore) stopWaiting() {
 	_, _ = pgListeners.Delete(s.poolKey.dsn) // only a missing key errs
 }
 
-// announce turns the statement of op into one that also wakes the
-// waiters of key, when this store's handler waits: a completion or a
-// release (the statements that end an in-progress record). The notifying
-// statement reports the same row count, through its SELECT.
-func (s *PostgresStore) announce(op, sql string, key RecordKey, args []any) (string, []any) {
-	if s.listener == nil || (op != "complete" && op != "release") {
-		return sql, args
-	}
-	n := len(args)
-	return fmt.Sprintf("WITH done AS (\n%s\nRETURNING 1\n)\nSELECT pg_notify($%d, $%d) FROM done", sql, n+1, n+2),
-		append(args, s.channel, notifyPayload(key))
+// notifying turns sql, a statement of params parameters that ends an
+// in-progress record (a completion or a release), into one that also
+// wakes the record's waiters: its two more parameters are the channel
+// and the record's payload. It reports the same row count, through its
+// SELECT.
+func notifying(sql string, params int) string {
+	return fmt.Sprintf("WITH done AS (\n%s\nRETURNING 1\n)\nSELECT pg_notify($%d, $%d) FROM done", sql, params+1, params+2)
 }
 
 // notifyChannel is the NOTIFY channel of a table. A hash keeps it within

@@ -469,25 +469,28 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 			body = []byte{}
 		}
 	}
-	return s.execOwned(ctx, "complete", s.sql.complete, key, token,
+	return s.execOwned(ctx, opComplete, s.sql.complete, key, token,
 		resp.Status, headers, body, resp.Replayable, resp.BodySize)
 }
 
 // Release implements Store.
 func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
-	return s.execOwned(ctx, "release", s.sql.release, key, token)
+	return s.execOwned(ctx, opRelease, s.sql.release, key, token)
 }
 
 // Renew implements Store.
 func (s *PostgresStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
-	return s.execOwned(ctx, "renew", s.sql.renew, key, token)
+	return s.execOwned(ctx, opRenew, s.sql.renew, key, token)
 }
 
 // execOwned runs a statement conditioned on the caller still owning the
 // record: no row affected means that the lock was lost.
 func (s *PostgresStore) execOwned(ctx context.Context, op, sql string, key RecordKey, token LockToken, args ...any) error {
 	args = append([]any{key.CredentialHash[:], key.Key, token[:]}, args...)
-	sql, args = s.announce(op, sql, key, args)
+	if s.listener != nil && op != opRenew {
+		// EnableWaiting made the statements that end a record notify.
+		args = append(args, s.channel, notifyPayload(key))
+	}
 	tag, err := s.pool.Exec(ctx, sql, args...)
 	if err != nil {
 		s.dropDeadConns(err)
