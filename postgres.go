@@ -257,6 +257,11 @@ type postgresSQL struct {
 	lookup string
 }
 
+// recordColumns are the columns of a record, in the order that acquire's
+// and the lookup's rows give them.
+const recordColumns = `status, fingerprint, method, path, created_at, expires_at,
+	locked_at, response_status, response_headers, response_body, replayable, response_size`
+
 func newPostgresSQL(table string) postgresSQL {
 	// The row is found through the primary key alone, and only then
 	// tested: OFFSET 0 keeps the planner from pushing the tests into the
@@ -266,10 +271,9 @@ func newPostgresSQL(table string) postgresSQL {
 	// filtering every live record for each lookup: with a million expired
 	// rows, first executions fell to a third of their rate, and lower as
 	// live records accumulated.
-	lookup := fmt.Sprintf(`SELECT status, fingerprint, method, path, created_at, expires_at,
-	locked_at, response_status, response_headers, response_body, replayable, response_size
+	lookup := fmt.Sprintf(`SELECT %s
 FROM (SELECT * FROM %s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
-WHERE status = 'completed' AND expires_at > now()`, table)
+WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 	return postgresSQL{
 		lookup: lookup,
 		// The INSERT claims the key when no row exists. When one does, ON
@@ -319,20 +323,17 @@ WHERE status = 'completed' AND expires_at > now()`, table)
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
 			AND r.locked_at < now() - $8::interval)
-	RETURNING created_at = now() AS fresh, status, fingerprint, method, path, created_at, expires_at,
-		locked_at, response_status, response_headers, response_body, replayable, response_size
+	RETURNING created_at = now() AS fresh, %[6]s
 )
 SELECT %[4]d, * FROM live
 UNION ALL
-SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, status, fingerprint, method, path, created_at, expires_at,
-	locked_at, response_status, response_headers, response_body, replayable, response_size
+SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[6]s
 FROM claimed
 UNION ALL
-SELECT %[4]d, status, fingerprint, method, path, created_at, expires_at,
-	locked_at, response_status, response_headers, response_body, replayable, response_size
+SELECT %[4]d, %[6]s
 FROM %[1]s
 WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup),
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns),
 
 		complete: fmt.Sprintf(`UPDATE %s SET
 	status = 'completed',
