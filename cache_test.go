@@ -69,7 +69,7 @@ func cacheExecute(t *testing.T, s Store, req AcquireRequest, resp *Response) {
 func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, req AcquireRequest, body string) {
 	t.Helper()
 	before := inner.acquires.Load()
-	rec := mustAcquire(t, c, cacheRetry(req), OutcomeExisting)
+	rec := mustAcquire(t, c, retryRequest(req), OutcomeExisting)
 	if n := inner.acquires.Load() - before; n != 0 {
 		t.Errorf("replay of %q reached the store %d times, want 0", req.Key.Key, n)
 	}
@@ -91,11 +91,6 @@ func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req 
 	return rec
 }
 
-func cacheRetry(req AcquireRequest) AcquireRequest {
-	req.Token = newLockToken()
-	return req
-}
-
 func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
 	req := memTestRequest("key-complete")
@@ -109,7 +104,7 @@ func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	cacheExecute(t, c, req2, resp)
 	copy(resp.Body, "XXXXXX")
 	resp.Header.Set("Content-Type", "changed")
-	rec := mustAcquire(t, c, cacheRetry(req2), OutcomeExisting)
+	rec := mustAcquire(t, c, retryRequest(req2), OutcomeExisting)
 	if string(rec.Response.Body) != "second" || rec.Response.Header.Get("Content-Type") != "application/json" {
 		t.Errorf("cached response changed with the caller's: %q %v", rec.Response.Body, rec.Response.Header)
 	}
@@ -125,7 +120,7 @@ func TestReplayCacheWithoutLearnOnComplete(t *testing.T) {
 	if len(c.pending) != 0 || len(c.entries) != 0 {
 		t.Fatalf("a first execution left %d pending records and %d entries", len(c.pending), len(c.entries))
 	}
-	wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+	wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 	wantCacheReplay(t, c, inner, req, "first")
 }
 
@@ -135,7 +130,7 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 	// Another instance (straight to the store) executed the request.
 	cacheExecute(t, inner.Store, req, cacheResponse("elsewhere"))
 
-	rec := wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+	rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 	if string(rec.Response.Body) != "elsewhere" {
 		t.Fatalf("first replay = %q", rec.Response.Body)
 	}
@@ -143,7 +138,7 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 
 	// A different request under the key is answered from the cache too,
 	// with the record that tells the handler it is a mismatch.
-	other := cacheRetry(req)
+	other := retryRequest(req)
 	other.Fingerprint = [32]byte{9}
 	got := mustAcquire(t, c, other, OutcomeExisting)
 	if got.Fingerprint != req.Fingerprint {
@@ -158,7 +153,7 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 
 	// Retries while it runs all reach the store, and see it in progress.
 	for range 3 {
-		rec := wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		if rec.Status != StatusInProgress {
 			t.Fatalf("retry saw %s, want in_progress", rec.Status)
 		}
@@ -174,7 +169,7 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 	req2 := memTestRequest("key-in-progress-elsewhere")
 	mustAcquire(t, inner.Store, req2, OutcomeCreated)
 	for range 2 {
-		wantCacheMiss(t, c, inner, cacheRetry(req2), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req2), OutcomeExisting)
 	}
 	if n := len(c.entries); n != 1 {
 		t.Errorf("cache holds %d entries, want 1 (the completed one)", n)
@@ -193,7 +188,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
 		// Expired: the store treats it as absent and the request executes.
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, clocks skewed", func(t *testing.T) {
@@ -204,7 +199,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		// 10s late on the cache's clock. The entry must not outlive the
 		// record on the store's clock.
 		localClock.advance(10 * time.Second)
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		wantCacheReplay(t, c, inner, req, "old")
 
 		// Just before the store's expiry minus the skew margin it is
@@ -215,7 +210,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 	})
 
 	t.Run("learned from Acquire, store clock ahead", func(t *testing.T) {
@@ -226,13 +221,13 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		storeClock.advance(time.Hour)
 		req := memTestRequest("key-ahead")
 		cacheExecute(t, inner.Store, req, cacheResponse("old"))
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		localClock.advance(memTestRetention - time.Millisecond)
 		storeClock.advance(memTestRetention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
 	})
 
 	t.Run("learned from Complete, store clock ahead", func(t *testing.T) {
@@ -247,7 +242,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
 	})
 }
 
@@ -272,18 +267,18 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
 		req := memTestRequest("key-too-large")
 		cacheExecute(t, c, req, &Response{Status: 200, Header: http.Header{}, Replayable: false, BodySize: 1 << 30})
-		rec := wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		if rec.Response.Replayable {
 			t.Fatal("store says replayable")
 		}
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 	})
 	t.Run("larger than a share of the cache", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(64 << 10)
 		req := memTestRequest("key-big")
 		cacheExecute(t, c, req, cacheResponse(strings.Repeat("x", 8<<10)))
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 	})
 	t.Run("released", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
@@ -295,7 +290,7 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		if len(c.pending) != 0 {
 			t.Errorf("%d pending records after release", len(c.pending))
 		}
-		wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
 	})
 	t.Run("lock lost", func(t *testing.T) {
 		c, inner, storeClock, _ := newCacheTest(1 << 20)
@@ -304,7 +299,7 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		// A retry takes the stale lock over, through another instance,
 		// and completes it with its own response.
 		storeClock.advance(memTestLockTimeout + time.Second)
-		other := cacheRetry(req)
+		other := retryRequest(req)
 		mustAcquire(t, inner.Store, other, OutcomeTakenOver)
 		if err := inner.Store.Complete(context.Background(), other.Key, other.Token, cacheResponse("taker's")); err != nil {
 			t.Fatal(err)
@@ -316,7 +311,7 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		if len(c.pending) != 0 || len(c.entries) != 0 {
 			t.Errorf("after a lost lock: %d pending, %d entries", len(c.pending), len(c.entries))
 		}
-		rec := wantCacheMiss(t, c, inner, cacheRetry(req), OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		if string(rec.Response.Body) != "taker's" {
 			t.Errorf("replay = %q, want the taker's", rec.Response.Body)
 		}
@@ -342,7 +337,7 @@ func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	wantCacheReplay(t, c, inner, reqs[0], body)
 	wantCacheReplay(t, c, inner, reqs[2], body)
 	wantCacheReplay(t, c, inner, reqs[3], body)
-	wantCacheMiss(t, c, inner, cacheRetry(reqs[1]), OutcomeExisting)
+	wantCacheMiss(t, c, inner, retryRequest(reqs[1]), OutcomeExisting)
 	if c.size > c.capacity {
 		t.Errorf("size %d over capacity %d", c.size, c.capacity)
 	}

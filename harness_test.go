@@ -218,17 +218,29 @@ func postgresBackend(t *testing.T) storeBackend {
 	return storeBackend{Name: "postgres", DSN: testDSN(t), Table: freshTable(t)}
 }
 
+// pgOpen connects to the test database for one statement, bounded by a
+// timeout; done closes the connection. (Per call, not per test: some
+// tests poll through these helpers every few milliseconds.)
+func pgOpen(t testing.TB, dsn string) (ctx context.Context, conn *pgx.Conn, done func()) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		cancel()
+		t.Fatalf("connecting to postgres: %v", err)
+	}
+	return ctx, conn, func() {
+		conn.Close(context.Background())
+		cancel()
+	}
+}
+
 // pgQuery runs a query against the test database and returns each row's
 // columns as strings.
 func pgQuery(t testing.TB, dsn, query string, args ...any) [][]string {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatalf("connecting to postgres: %v", err)
-	}
-	defer conn.Close(context.Background())
+	ctx, conn, done := pgOpen(t, dsn)
+	defer done()
 	rows, err := conn.Query(ctx, query, args...)
 	if err != nil {
 		t.Fatalf("query %q: %v", query, err)
@@ -255,13 +267,8 @@ func pgQuery(t testing.TB, dsn, query string, args ...any) [][]string {
 // pgExec runs a statement against the test database.
 func pgExec(t testing.TB, dsn, stmt string, args ...any) int64 {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatalf("connecting to postgres: %v", err)
-	}
-	defer conn.Close(context.Background())
+	ctx, conn, done := pgOpen(t, dsn)
+	defer done()
 	tag, err := conn.Exec(ctx, stmt, args...)
 	if err != nil {
 		t.Fatalf("exec %q: %v", stmt, err)

@@ -55,8 +55,9 @@ func testAcquireRequest(credential, key, body string) AcquireRequest {
 	}
 }
 
-// retryPG is the same request again, as another attempt that owns nothing.
-func retryPG(req AcquireRequest) AcquireRequest {
+// retryRequest is the same request again, as another attempt that owns
+// nothing (for any store).
+func retryRequest(req AcquireRequest) AcquireRequest {
 	req.Token = newLockToken()
 	return req
 }
@@ -91,7 +92,7 @@ func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
 	before := time.Now()
 	mustAcquirePG(t, s, req, OutcomeCreated)
 
-	res := mustAcquirePG(t, s, retryPG(req), OutcomeExisting)
+	res := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting)
 	rec := res.Record
 	if rec.Status != StatusInProgress || rec.Fingerprint != req.Fingerprint ||
 		rec.Method != req.Method || rec.Path != req.Path || rec.Response != nil {
@@ -107,7 +108,7 @@ func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
 	}
 
 	// Another credential's identical key is another record.
-	other := retryPG(req)
+	other := retryRequest(req)
 	other.Key.CredentialHash = sha256.Sum256([]byte("tenant B"))
 	mustAcquirePG(t, s, other, OutcomeCreated)
 }
@@ -162,7 +163,7 @@ func TestPostgresCompleteThenReplay(t *testing.T) {
 			if err := s.Complete(context.Background(), req.Key, req.Token, &tt.resp); err != nil {
 				t.Fatalf("complete: %v", err)
 			}
-			rec := mustAcquirePG(t, s, retryPG(req), OutcomeExisting).Record
+			rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
 			if rec.Status != StatusCompleted || !rec.LockedAt.IsZero() {
 				t.Errorf("status %q, locked_at %v", rec.Status, rec.LockedAt)
 			}
@@ -214,7 +215,7 @@ func raceAcquire(t *testing.T, s *PostgresStore, req AcquireRequest, n int) map[
 	for range n {
 		wg.Go(func() {
 			<-start
-			res, err := s.Acquire(context.Background(), retryPG(req))
+			res, err := s.Acquire(context.Background(), retryRequest(req))
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -235,7 +236,7 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 	ctx := context.Background()
 	owner := testAcquireRequest("cred", "stale-000001", "body")
 	mustAcquirePG(t, s, owner, OutcomeCreated)
-	created := mustAcquirePG(t, s, retryPG(owner), OutcomeExisting).Record.CreatedAt
+	created := mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting).Record.CreatedAt
 
 	// The owner died an hour ago.
 	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour'")
@@ -253,7 +254,7 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 		t.Fatalf("outcomes = %v, want one taken over and %d existing", outcomes, callers-1)
 	}
 
-	rec := mustAcquirePG(t, s, retryPG(owner), OutcomeExisting).Record
+	rec := mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting).Record
 	if !rec.CreatedAt.Equal(created) {
 		t.Errorf("created_at moved from %v to %v on takeover", created, rec.CreatedAt)
 	}
@@ -280,11 +281,11 @@ func TestPostgresRenewPreventsTakeover(t *testing.T) {
 		if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
 			t.Fatalf("renew: %v", err)
 		}
-		mustAcquirePG(t, s, retryPG(owner), OutcomeExisting)
+		mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting)
 	}
 
 	time.Sleep(2 * owner.LockTimeout)
-	mustAcquirePG(t, s, retryPG(owner), OutcomeTakenOver)
+	mustAcquirePG(t, s, retryRequest(owner), OutcomeTakenOver)
 	if err := s.Renew(ctx, owner.Key, owner.Token); !errors.Is(err, ErrLockLost) {
 		t.Errorf("renew after takeover: %v, want ErrLockLost", err)
 	}
@@ -314,7 +315,7 @@ func TestPostgresLockLost(t *testing.T) {
 
 	t.Run("wrong token", func(t *testing.T) {
 		wantLost(t, req.Key, newLockToken())
-		mustAcquirePG(t, s, retryPG(req), OutcomeExisting) // untouched
+		mustAcquirePG(t, s, retryRequest(req), OutcomeExisting) // untouched
 	})
 	t.Run("no such record", func(t *testing.T) {
 		wantLost(t, testAcquireRequest("cred", "never-acquired", "").Key, req.Token)
@@ -326,14 +327,14 @@ func TestPostgresLockLost(t *testing.T) {
 			t.Fatalf("release: %v", err)
 		}
 		wantLost(t, r.Key, r.Token)
-		mustAcquirePG(t, s, retryPG(r), OutcomeCreated)
+		mustAcquirePG(t, s, retryRequest(r), OutcomeCreated)
 	})
 	t.Run("after complete", func(t *testing.T) {
 		if err := s.Complete(ctx, req.Key, req.Token, resp); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		wantLost(t, req.Key, req.Token)
-		rec := mustAcquirePG(t, s, retryPG(req), OutcomeExisting).Record
+		rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
 		if rec.Status != StatusCompleted {
 			t.Errorf("status %q after a late release or renew", rec.Status)
 		}
@@ -354,13 +355,13 @@ func TestPostgresExpiredRecordIsCreatedAnew(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			oldRec := mustAcquirePG(t, s, retryPG(old), OutcomeExisting).Record
+			oldRec := mustAcquirePG(t, s, retryRequest(old), OutcomeExisting).Record
 			mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() - interval '1 second' WHERE key = $1", old.Key.Key)
 
 			// Even with another body: an expired key is a free key.
 			fresh := testAcquireRequest("cred", old.Key.Key, "new body")
 			mustAcquirePG(t, s, fresh, OutcomeCreated)
-			rec := mustAcquirePG(t, s, retryPG(fresh), OutcomeExisting).Record
+			rec := mustAcquirePG(t, s, retryRequest(fresh), OutcomeExisting).Record
 			if rec.Status != StatusInProgress || rec.Fingerprint != fresh.Fingerprint || rec.Response != nil {
 				t.Errorf("record = %+v", rec)
 			}
@@ -990,7 +991,7 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 		stuck.Add(1)
 		go func() {
 			defer stuck.Done()
-			_, _ = s.Acquire(stuckCtx, retryPG(hot))
+			_, _ = s.Acquire(stuckCtx, retryRequest(hot))
 		}()
 	}
 	// Wait until the acquires hold every connection they may. (Not
