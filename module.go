@@ -84,8 +84,10 @@ type Handler struct {
 	// as {http.auth.user.id}. Takes precedence over CredentialHeader.
 	Credential string `json:"credential,omitempty"`
 
-	// The methods that are protected; others pass through untouched.
-	// Default: POST, PATCH.
+	// The methods that are protected, compared case-insensitively;
+	// others pass through untouched. GET, HEAD, OPTIONS and TRACE are
+	// refused: Go's transport re-sends them on its own. Default: POST,
+	// PATCH.
 	Methods []string `json:"methods,omitempty"`
 
 	// If true, a protected request without a key passes through
@@ -290,11 +292,69 @@ func (h *Handler) Validate() error {
 		if !validToken(m) {
 			return fmt.Errorf("invalid method %q", m)
 		}
+		if err := checkUnsafeMethod(m); err != nil {
+			return err
+		}
+	}
+	for _, f := range durationFloors(h) {
+		if err := f.check(); err != nil {
+			return err
+		}
 	}
 	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
 		if !validToken(name) {
 			return fmt.Errorf("invalid header name %q", name)
 		}
+	}
+	return nil
+}
+
+// minDuration is the shortest lock_timeout, retry_after,
+// execution_timeout and (unless 0) prune_interval: shorter ones turn the
+// lock's renewals and the pruner into loops that spin on the store.
+const minDuration = time.Second
+
+// minWait is the shortest wait, unless 0.
+const minWait = 10 * time.Millisecond
+
+// durationFloor is a setting with the least value that makes sense.
+type durationFloor struct {
+	name   string
+	value  time.Duration
+	min    time.Duration
+	zeroOK bool
+}
+
+func durationFloors(h *Handler) []durationFloor {
+	return []durationFloor{
+		{"lock_timeout", time.Duration(h.LockTimeout), minDuration, false},
+		{"retry_after", time.Duration(h.RetryAfter), minDuration, false},
+		{"execution_timeout", time.Duration(h.ExecutionTimeout), minDuration, false},
+		{"prune_interval", time.Duration(*h.PruneInterval), minDuration, true},
+		{"wait", time.Duration(h.Wait), minWait, true},
+	}
+}
+
+func (f durationFloor) check() error {
+	if f.value >= f.min || f.zeroOK && f.value == 0 {
+		return nil
+	}
+	or0 := ""
+	if f.zeroOK {
+		or0 = " (or 0)"
+	}
+	return fmt.Errorf("%s %s is too short: it must be at least %s%s", f.name, f.value, f.min, or0)
+}
+
+// checkUnsafeMethod refuses the methods that Go's HTTP transport (the
+// one reverse_proxy uses) re-sends on its own: it retries a request that
+// fails on a dropped keep-alive connection when the method is GET, HEAD,
+// OPTIONS or TRACE, whatever its headers say, so the upstream could run
+// a "protected" one twice.
+func checkUnsafeMethod(m string) error {
+	switch strings.ToUpper(m) {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return fmt.Errorf("method %s cannot be protected: reverse_proxy's transport re-sends %s requests on a dropped keep-alive connection, which could execute one twice; protect the methods that change state (POST, PATCH, PUT, DELETE)", m, strings.ToUpper(m))
 	}
 	return nil
 }
@@ -316,11 +376,14 @@ func validToken(s string) bool {
 
 // ServeHTTP implements the request path of the contract, step by step.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if _, protected := h.methods[r.Method]; !protected || r.Method == http.MethodGet && isUpgrade(r) {
-		// A WebSocket handshake (a GET, if GET is protected at all)
-		// hijacks the connection past any recorder, so there is no
-		// response to store: it passes through. Upgrade headers on any
-		// other method do not buy a way around the key.
+	// Methods compare case-insensitively: frameworks run `post` as POST.
+	// ToUpper returns an upper-case method as it is, without allocating.
+	method := strings.ToUpper(r.Method)
+	if _, protected := h.methods[method]; !protected || r.Context().Value(protectedCtxKey{}) != nil {
+		// A request that an idempotency handler on its way here already
+		// protects passes through: that handler re-filed the key header
+		// (hideKeyFromTransport), so this one would answer it 400, and
+		// the outer one store that answer for every retry.
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
@@ -367,7 +430,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -551,7 +614,9 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
 	// ExecutionTimeout, counted from the disconnect.
-	execCtx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	// The context also marks the request as protected, for a nested
+	// handler.
+	execCtx, cancel := context.WithCancel(context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -890,18 +955,14 @@ func hideKeyFromTransport(header http.Header) {
 	}
 }
 
-func isUpgrade(r *http.Request) bool {
-	if r.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range r.Header.Values("Connection") {
-		for _, tok := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
+// protectedCtxKey marks the context of a request that an idempotency
+// handler protects.
+type protectedCtxKey struct{}
+
+// markProtected returns r marked as protected, for a request handed on
+// with its key re-filed but not executed by execute (which marks its own).
+func markProtected(r *http.Request) *http.Request {
+	return r.WithContext(context.WithValue(r.Context(), protectedCtxKey{}, true))
 }
 
 // Interface guards

@@ -25,7 +25,7 @@ func TestLogLines(t *testing.T) {
 	idempotency {
 		%s
 		replay_cache off
-		prune_interval 100ms
+		prune_interval 1s
 	}
 	reverse_proxy %s
 }
