@@ -21,6 +21,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -614,9 +615,17 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
 	// ExecutionTimeout, counted from the disconnect.
-	// The context also marks the request as protected, for a nested
-	// handler.
-	execCtx, cancel := context.WithCancel(context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true))
+	//
+	// The context also marks the request as protected (for a nested
+	// handler), and carries a trace that notes whether any attempt got a
+	// connection to an upstream: reverse_proxy sends its requests, and
+	// every lb_retries attempt, on the request's context, and Go's
+	// transport (HTTP/1 and HTTP/2) reports a connection before it
+	// writes anything to it.
+	trace := new(reachTrace)
+	trace.trace.GotConn = func(httptrace.GotConnInfo) { trace.reached.Store(true) }
+	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
+		context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true), &trace.trace))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -654,9 +663,13 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	r.Body = http.NoBody
 
 	if err != nil && !rec.wroteHeader {
-		if execCtx.Err() == nil && nothingExecuted(err) {
-			h.release(rk, token, key, credID, r, err)
-			repl.Set("http.idempotency.result", h.result(resultReleased))
+		_, proxied := repl.Get(upstreamPlaceholder)
+		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
+			result := resultReleased
+			if !h.release(rk, token, key, credID, r, err) {
+				result = resultStoreError
+			}
+			repl.Set("http.idempotency.result", h.result(result))
 			return err
 		}
 		// The upstream may have acted on the request: storing this
@@ -683,26 +696,43 @@ func serveRecovering(next caddyhttp.Handler, w http.ResponseWriter, r *http.Requ
 	return nil, next.ServeHTTP(w, r)
 }
 
-// nothingExecuted reports whether err proves that the request never
-// reached an upstream, so releasing its key cannot cause a second
-// execution.
-func nothingExecuted(err error) bool {
+// reachTrace notes whether a request got a connection to an upstream;
+// one allocation for the trace and its flag.
+type reachTrace struct {
+	trace   httptrace.ClientTrace
+	reached atomic.Bool
+}
+
+// upstreamPlaceholder is set by reverse_proxy (and php_fastcgi,
+// forward_auth) for every upstream it tries, before it dials.
+const upstreamPlaceholder = "http.reverse_proxy.upstream.address"
+
+// nothingExecuted reports whether err, returned without a response by a
+// request that got no connection to any upstream, proves that the
+// request never reached one, so that releasing its key cannot cause a
+// second execution. proxied says whether a reverse_proxy picked an
+// upstream for the request (or for an earlier one on its replacer).
+func nothingExecuted(err error, proxied bool) bool {
+	// A dial error, or reverse_proxy's "no upstreams available" (a 503
+	// without a dial error): the last attempt sent nothing, and the trace
+	// says no earlier one did.
 	var dialErr reverseproxy.DialError
 	if errors.As(err, &dialErr) {
 		return true
 	}
 	var he caddyhttp.HandlerError
-	if errors.As(err, &he) {
-		// reverse_proxy's "no upstreams available" is a 503 without a
-		// dial error; a 4xx is a handler refusing the request (a
-		// static error, request_body's limit). 499 is reverse_proxy's
-		// "canceled" after the request may have been sent.
-		if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
-			return true
-		}
-		return he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
+	if !errors.As(err, &he) {
+		return false
 	}
-	return false
+	if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
+		return true
+	}
+	// A 4xx is a handler refusing the request (a static error, a rate
+	// limit), unless a reverse_proxy took part: handle_response's
+	// `error` answers after the upstream acted, and a transport that no
+	// trace sees (FastCGI) may have sent the request. 499 is
+	// reverse_proxy's "canceled" after the request may have been sent.
+	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
 }
 
 // keepLock renews the lock while the request runs, so that a request
@@ -834,8 +864,10 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	}
 }
 
-// release deletes the record of a request that never executed.
-func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) {
+// release deletes the record of a request that never executed. It
+// reports false if the store failed: the record is then still in
+// progress, until its lock goes stale.
+func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	switch err := h.store.Release(ctx, rk, token); {
@@ -845,15 +877,16 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 			zap.String("key", key), zap.String("credential_id", credID),
 			zap.String("method", r.Method), zap.String("path", r.URL.Path),
 			zap.String("during", "release"))
-		return
+		return true
 	case err != nil:
 		h.storeError("release", key, credID, r, err)
-		return
+		return false
 	}
 	h.logger.Info("idempotency.release",
 		zap.String("key", key), zap.String("credential_id", credID),
 		zap.String("method", r.Method), zap.String("path", r.URL.Path),
 		zap.NamedError("cause", cause))
+	return true
 }
 
 func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
