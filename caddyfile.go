@@ -197,8 +197,8 @@ func oneArg(d *caddyfile.Dispenser, dst *string) error {
 }
 
 // durationArg parses a duration that must be positive (or 0, if zeroOK)
-// and, unless 0, at least least.
-func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool, least time.Duration) error {
+// and, unless 0, at least floor.
+func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool, floor time.Duration) error {
 	name := d.Val()
 	var s string
 	if !d.Args(&s) || d.NextArg() {
@@ -211,7 +211,7 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool, least
 	if dur < 0 || (dur == 0 && !zeroOK) {
 		return d.Errf("idempotency: %s: duration must be positive, got %q", name, s)
 	}
-	if err := (durationFloor{name, dur, least, zeroOK}).check(); err != nil {
+	if err := (durationFloor{name, dur, floor, zeroOK}).check(); err != nil {
 		return d.Errf("idempotency: %v", err)
 	}
 	*dst = caddy.Duration(dur)

@@ -992,8 +992,10 @@ func hideKeyFromTransport(header http.Header) {
 // handler protects.
 type protectedCtxKey struct{}
 
-// markProtected returns r marked as protected, for a request handed on
-// with its key re-filed but not executed by execute (which marks its own).
+// markProtected returns r marked as protected, for a request that this
+// handler hands on without executing it (fail_open, shadow): its key
+// header may be re-filed, so an inner handler must pass it through too.
+// execute marks its own context.
 func markProtected(r *http.Request) *http.Request {
 	return r.WithContext(context.WithValue(r.Context(), protectedCtxKey{}, true))
 }
