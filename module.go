@@ -100,11 +100,12 @@ type Handler struct {
 
 	// How old the lock of an in-progress record must be before another
 	// request may take it over (its owner is presumed dead). The owner
-	// renews its lock while it runs. Default: 30s.
+	// renews its lock while it runs. At least 1s. Default: 30s.
 	LockTimeout caddy.Duration `json:"lock_timeout,omitempty"`
 
 	// The Retry-After sent with a 409 for a request still in progress,
-	// and with a 503 when the store is unreachable. Default: 2s.
+	// and with a 503 when the store is unreachable. At least 1s.
+	// Default: 2s.
 	RetryAfter caddy.Duration `json:"retry_after,omitempty"`
 
 	// The largest request body accepted, in bytes; larger gets 413.
@@ -122,12 +123,12 @@ type Handler struct {
 	ExcludeHeaders []string `json:"exclude_headers,omitempty"`
 
 	// How often this instance deletes expired records. 0 disables
-	// pruning by this instance. Default: 1h.
+	// pruning by this instance; otherwise at least 1s. Default: 1h.
 	PruneInterval *caddy.Duration `json:"prune_interval,omitempty"`
 
 	// How long a protected request keeps running after its client
 	// disconnected, so that the client's retry finds a stored response.
-	// Default: 5m.
+	// At least 1s. Default: 5m.
 	ExecutionTimeout caddy.Duration `json:"execution_timeout,omitempty"`
 
 	// The size in bytes of this handler's cache of completed responses,
@@ -139,8 +140,8 @@ type Handler struct {
 	// fingerprint) still in progress waits for it to finish, to get its
 	// response replayed, before it gets 409 with Retry-After. The store
 	// wakes waiters when the first request completes (Postgres:
-	// LISTEN/NOTIFY), so waiting costs no polling. Default: 0, an
-	// immediate 409.
+	// LISTEN/NOTIFY), so waiting costs no polling. 0 or at least 10ms.
+	// Default: 0, an immediate 409.
 	Wait caddy.Duration `json:"wait,omitempty"`
 
 	// The status answered when a key is reused with a different request:
