@@ -276,6 +276,12 @@ func (h *Handler) Validate() error {
 	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
 		return fmt.Errorf("max_request_body and max_response_body must be positive")
 	}
+	// The Caddyfile's bound, for JSON too: a body is held in memory.
+	for name, n := range map[string]int64{"max_request_body": h.MaxRequestBody, "max_response_body": h.MaxResponseBody} {
+		if n > math.MaxInt32 {
+			return fmt.Errorf("idempotency: %s: size must be between 1 byte and 2GiB, got %d", name, n)
+		}
+	}
 	if h.ReplayCache != nil && *h.ReplayCache < 0 {
 		return fmt.Errorf("replay_cache must not be negative")
 	}
@@ -433,33 +439,43 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 	}
 }
 
+// initialBodyBuffer is the most that is allocated for a body before its
+// bytes arrive: a declared Content-Length costs nothing until it is sent.
+const initialBodyBuffer = 64 << 10
+
 // readBody reads the request body up to MaxRequestBody. The problem it
 // returns, if any, is the client's error: nothing has been stored yet.
 // With a problem, the bytes are those read so far: shadow mode hands them
 // on, followed by the rest of the body.
 func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
-	tooLarge := func() *problem {
+	tooLarge := func(limit int64) *problem {
 		p := probBodyTooLarge.withDetail(fmt.Sprintf(
-			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", limit))
 		return &p
 	}
 	if r.ContentLength > h.MaxRequestBody {
-		return nil, tooLarge()
+		return nil, tooLarge(h.MaxRequestBody)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return []byte{}, nil
 	}
-	// With a Content-Length, the body is read in one allocation of its
-	// size (+1 to see EOF without growing), the one copy a request costs.
+	// The buffer grows, by doubling, with the bytes that arrive: a
+	// client that declares a large body and sends little holds little.
+	// A body that arrives whole as declared fits its first buffer when
+	// it is small (+1 to see EOF without growing), and costs a few
+	// copies when it is large.
+	limit := h.MaxRequestBody + 1
 	size := int64(512)
 	if r.ContentLength >= 0 {
 		size = r.ContentLength + 1
 	}
-	buf := make([]byte, 0, size)
-	lr := io.LimitedReader{R: r.Body, N: h.MaxRequestBody + 1}
+	buf := make([]byte, 0, min(size, initialBodyBuffer, limit))
+	lr := io.LimitedReader{R: r.Body, N: limit}
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit))
+			copy(grown, buf)
+			buf = grown
 		}
 		n, err := lr.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -467,6 +483,12 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 			break
 		}
 		if err != nil {
+			// A request_body limit around this handler (or any
+			// http.MaxBytesReader) is a body too large too.
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return buf, tooLarge(mbe.Limit)
+			}
 			p := probBodyUnreadable
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
@@ -476,7 +498,7 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 		}
 	}
 	if int64(len(buf)) > h.MaxRequestBody {
-		return buf, tooLarge()
+		return buf, tooLarge(h.MaxRequestBody)
 	}
 	return buf, nil
 }

@@ -60,8 +60,11 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.status = status
 	rec.header = rec.ResponseWriter.Header().Clone()
 	if cl := rec.header.Get("Content-Length"); cl != "" {
+		// A declared length is a promise, not bytes: at most a first
+		// chunk is allocated for it, and append grows the copy with what
+		// arrives.
 		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 && n <= rec.limit {
-			rec.body = make([]byte, 0, n)
+			rec.body = make([]byte, 0, min(n, initialBodyBuffer))
 		}
 	}
 	rec.ResponseWriter.WriteHeader(status)
