@@ -610,14 +610,18 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// its body or its response's copies, not both.
 	r.Body = http.NoBody
 
-	if err != nil && !rec.wroteHeader {
-		if execCtx.Err() == nil && nothingExecuted(err) {
-			h.release(rk, token, key, credID, r, err)
-			repl.Set("http.idempotency.result", h.result(resultReleased))
-			return err
-		}
-		// The upstream may have acted on the request: storing this
-		// answer is what keeps a retry from running it a second time.
+	if err != nil && !rec.wroteHeader && execCtx.Err() == nil && nothingExecuted(err) {
+		h.release(rk, token, key, credID, r, err)
+		repl.Set("http.idempotency.result", h.result(resultReleased))
+		return err
+	}
+	resp := rec.response(h.excluded)
+	// An error before any response, or a cut-off execution (reverse_proxy
+	// answers 499 when execution_timeout cancels it, with nothing the
+	// retry could use), leaves the outcome unknown: the upstream may
+	// have acted on the request. Storing that answer is what keeps a
+	// retry from running it a second time.
+	if err != nil && !rec.wroteHeader || execCtx.Err() != nil || rec.status == statusClientClosedRequest {
 		p := probOutcomeUnknown
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode >= 500 {
@@ -625,13 +629,26 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
-		p.write(rec, 0)
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
+		if !rec.wroteHeader && !h.Shadow {
+			p.write(rec, 0)
+		}
+		resp = p.response()
 	}
 
-	h.complete(rk, token, key, credID, r, rec.response(h.excluded), lockedAt)
+	h.complete(rk, token, key, credID, r, resp, lockedAt)
+	if h.Shadow {
+		// Shadow mode changes no response: the error goes on to the
+		// site's error handling, as it would without this handler.
+		return err
+	}
 	return nil
 }
+
+// statusClientClosedRequest is what reverse_proxy writes when its
+// request's context is cancelled.
+const statusClientClosedRequest = 499
 
 // serveRecovering calls next, and returns what it panicked with, if it
 // did, instead of panicking.
