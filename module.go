@@ -536,33 +536,60 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	replayAge.Observe(age)
 	repl.Set("http.idempotency.result", resultReplayed)
 
-	// The stored headers replace whatever handlers before us set (a
-	// `header` directive, Server): those were already in the map when
-	// the original response was recorded, unless the next handler
-	// removed them, as reverse_proxy does with Server. Assign, never
-	// Add, or values would be doubled.
-	//
-	// The values are copied, all in one allocation: the stored ones may
-	// be shared with other replays (the replay cache). Each header gets a
-	// full slice expression, so that a handler appending to one
-	// reallocates instead of writing over its neighbour.
+	h.replay(w, resp)
+	return nil
+}
+
+// replay sends the stored response resp.
+//
+// It starts from the headers that handlers around this one have already
+// set on this request (a `header` directive's values, a Set-Cookie that
+// the record never holds): they belong to this response. The stored
+// headers replace those of the same names, since they were in the map
+// when the original response was recorded, unless the next handler
+// removed them. Assign, never Add, or values would be doubled. Server is
+// the exception: the stored response says who produced it (reverse_proxy
+// removes Caddy's in favour of Via), so it comes from the record or not
+// at all.
+//
+// The values are copied, all in one allocation: the stored ones may be
+// shared with other replays (the replay cache). Each header gets a full
+// slice expression, so that a handler appending to one reallocates
+// instead of writing over its neighbour.
+func (h *Handler) replay(w http.ResponseWriter, resp *Response) {
 	hdr := w.Header()
-	clear(hdr)
+	delete(hdr, "Server")
 	n := 0
-	for _, values := range resp.Header {
+	var trailers []string
+	for name, values := range resp.Header {
+		if t, ok := strings.CutPrefix(name, trailerPrefix); ok {
+			trailers = append(trailers, t)
+			continue
+		}
 		n += len(values)
 	}
 	all := make([]string, 0, n+2)
 	for name, values := range resp.Header {
+		if strings.HasPrefix(name, trailerPrefix) {
+			continue
+		}
 		all = append(all, values...)
 		hdr[name] = all[len(all)-len(values) : len(all) : len(all)]
 	}
 	all = append(all, "true", "true")
 	hdr["Idempotent-Replay"] = all[n : n+1 : n+1]
 	hdr["Idempotent-Replayed"] = all[n+1 : n+2 : n+2]
+	if len(trailers) > 0 {
+		// Declared, so that the body is sent chunked (a length would
+		// leave no room for trailers) and the trailers follow it.
+		hdr["Trailer"] = []string{strings.Join(trailers, ", ")}
+		delete(hdr, "Content-Length")
+	}
 	w.WriteHeader(resp.Status)
 	_, _ = w.Write(resp.Body)
-	return nil
+	for _, name := range trailers {
+		hdr[name] = append([]string(nil), resp.Header[trailerPrefix+name]...)
+	}
 }
 
 // execute runs the next handler for a request that owns its key, and
