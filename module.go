@@ -529,6 +529,12 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
 		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
 	}
+	gunzip, prob := replayCoding(r, resp)
+	if prob != nil {
+		h.logger.Info("idempotency.not_acceptable", fields(
+			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))...)
+		return h.finish(w, repl, resultRejected, *prob, 0)
+	}
 	age := time.Since(rec.CreatedAt).Seconds()
 	if c := h.logger.Check(zapcore.InfoLevel, "idempotency.replay"); c != nil {
 		c.Write(fields(zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))...)
@@ -536,11 +542,12 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	replayAge.Observe(age)
 	repl.Set("http.idempotency.result", resultReplayed)
 
-	h.replay(w, resp)
+	h.replay(w, r, resp, gunzip)
 	return nil
 }
 
-// replay sends the stored response resp.
+// replay sends the stored response resp as the answer to r, its body
+// decoded from gzip if gunzip is set (see replayCoding).
 //
 // It starts from the headers that handlers around this one have already
 // set on this request (a `header` directive's values, a Set-Cookie that
@@ -556,7 +563,7 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 // shared with other replays (the replay cache). Each header gets a full
 // slice expression, so that a handler appending to one reallocates
 // instead of writing over its neighbour.
-func (h *Handler) replay(w http.ResponseWriter, resp *Response) {
+func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response, gunzip bool) {
 	hdr := w.Header()
 	delete(hdr, "Server")
 	n := 0
@@ -585,8 +592,21 @@ func (h *Handler) replay(w http.ResponseWriter, resp *Response) {
 		hdr["Trailer"] = []string{strings.Join(trailers, ", ")}
 		delete(hdr, "Content-Length")
 	}
+	if gunzip {
+		delete(hdr, "Content-Encoding")
+		delete(hdr, "Content-Length")
+	}
 	w.WriteHeader(resp.Status)
-	_, _ = w.Write(resp.Body)
+	if gunzip {
+		if err := copyGunzipped(w, resp.Body); err != nil {
+			// The client has part of a body: abort the response
+			// rather than end it as though it were whole.
+			h.logger.Error("idempotency.replay_decode", zap.String("path", r.URL.Path), zap.Error(err))
+			panic(http.ErrAbortHandler)
+		}
+	} else {
+		_, _ = w.Write(resp.Body)
+	}
 	for _, name := range trailers {
 		hdr[name] = append([]string(nil), resp.Header[trailerPrefix+name]...)
 	}

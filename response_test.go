@@ -1,6 +1,8 @@
 package idempotency
 
 import (
+	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -152,6 +154,98 @@ func TestUpgradedResponseNotReplayable(t *testing.T) {
 			t.Errorf("problem type %q, want #not-replayable", p.Type)
 		}
 	})
+}
+
+// A stored gzip body is never replayed to a client that does not accept
+// gzip: it is decoded for it; another coding it does not accept is 406.
+func TestReplayHonoursAcceptEncoding(t *testing.T) {
+	plain := bytes.Repeat([]byte("the stored body "), 100)
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	_, _ = zw.Write(plain)
+	_ = zw.Close()
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "text/plain")
+			w.Header().Set("X-Kept", "yes")
+			if r.URL.Path == "/br" {
+				w.Header().Set("Content-Encoding", "br")
+				_, _ = w.Write([]byte("not really brotli"))
+				return
+			}
+			w.Header().Set("Content-Encoding", "gzip")
+			w.Header().Set("Content-Length", fmt.Sprint(gz.Len()))
+			_, _ = w.Write(gz.Bytes())
+		})
+		s := protectedSite(t, sb, addr)
+		ae := func(v string) map[string]string { return map[string]string{"Accept-Encoding": v} }
+		c := call{Key: newKey(), Body: payBody(), Header: ae("gzip")}
+		first := s.Do(t, c)
+		if first.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(first.Body, gz.Bytes()) {
+			t.Fatalf("first answer is not the upstream's gzip body: %s", first)
+		}
+		for _, v := range []string{"identity", "br", "gzip;q=0", "gzip;q=0, identity;q=0.5", ""} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			if !r.replayed() || r.Header.Get("Content-Encoding") != "" || !bytes.Equal(r.Body, plain) {
+				t.Errorf("Accept-Encoding %q: want the decoded body, got %d %v %d bytes", v, r.Status, r.Header, len(r.Body))
+			}
+			if r.Header.Get("X-Kept") != "yes" || r.Header.Get("Content-Type") != "text/plain" {
+				t.Errorf("Accept-Encoding %q: decoding dropped other headers: %v", v, r.Header)
+			}
+		}
+		for _, v := range []string{"gzip", "x-gzip", "GZIP;q=0.5", "*", "br;q=1, *;q=0.1"} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			if !r.replayed() || r.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(r.Body, gz.Bytes()) {
+				t.Errorf("Accept-Encoding %q: want the stored gzip body, got %d %v", v, r.Status, r.Header)
+			}
+		}
+		for _, v := range []string{"identity;q=0", "*;q=0", "br, *;q=0"} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			wantProblem(t, r, http.StatusNotAcceptable)
+		}
+		br := call{Path: "/br", Key: newKey(), Body: payBody(), Header: ae("br")}
+		if first := s.Do(t, br); first.Header.Get("Content-Encoding") != "br" {
+			t.Fatalf("first /br answer: %s", first)
+		}
+		wantProblem(t, s.Do(t, call{Path: br.Path, Key: br.Key, Body: br.Body, Header: ae("gzip")}), http.StatusNotAcceptable)
+	})
+}
+
+func TestAcceptsEncoding(t *testing.T) {
+	for _, tc := range []struct {
+		accept []string // nil: no Accept-Encoding at all
+		coding string
+		want   bool
+	}{
+		{nil, "gzip", true},
+		{nil, "br", true},
+		{[]string{""}, "gzip", false},
+		{[]string{""}, "identity", true},
+		{[]string{"gzip"}, "gzip", true},
+		{[]string{"deflate", "gzip;q=0.1"}, "gzip", true},
+		{[]string{"x-gzip"}, "gzip", true},
+		{[]string{"gzip"}, "x-gzip", true},
+		{[]string{"gzip; q=0"}, "gzip", false},
+		{[]string{"gzip;q=0.000"}, "gzip", false},
+		{[]string{"gzip;q=bogus"}, "gzip", false},
+		{[]string{"*"}, "br", true},
+		{[]string{"*;q=0"}, "br", false},
+		{[]string{"*;q=0"}, "identity", false},
+		{[]string{"identity;q=1, *;q=0"}, "identity", true},
+		{[]string{"identity;q=0"}, "identity", false},
+		{[]string{"br"}, "identity", true},
+		{[]string{"gzip, br"}, "gzip, br", true},
+		{[]string{"gzip"}, "gzip, br", false},
+	} {
+		h := http.Header{}
+		if tc.accept != nil {
+			h["Accept-Encoding"] = tc.accept
+		}
+		if got := acceptsEncoding(h, tc.coding); got != tc.want {
+			t.Errorf("Accept-Encoding %q, coding %q: %v, want %v", tc.accept, tc.coding, got, tc.want)
+		}
+	}
 }
 
 // Shadow mode changes no response: an upstream failure reaches the
