@@ -9,7 +9,6 @@ import (
 	"runtime"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -76,22 +75,33 @@ func TestReadBodyAllocatesWithArrivals(t *testing.T) {
 	}
 }
 
-// The JSON config is bounded as the Caddyfile is.
+// The JSON config is bounded as the Caddyfile is: a huge max_request_body
+// is refused at load, not met by a request that declares 100 GB.
 func TestValidateBoundsBodyLimits(t *testing.T) {
+	load := func(handler string) error {
+		cfg := fmt.Sprintf(`{
+	"admin": {"disabled": true},
+	"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
+	"apps": {"http": {"servers": {"srv0": {
+		"listen": ["127.0.0.1:%d"],
+		"routes": [{"handle": [%s, {"handler": "static_response", "body": "ok"}]}]
+	}}}}
+}`, freeTCPPort(t), handler)
+		caddyMu.Lock()
+		defer caddyMu.Unlock()
+		err := caddy.Load([]byte(cfg), true)
+		if err == nil {
+			_ = caddy.Stop()
+		}
+		return err
+	}
+	if err := load(`{"handler": "idempotency", "max_request_body": 2147483647, "max_response_body": 2147483647}`); err != nil {
+		t.Errorf("the largest limits refused: %v", err)
+	}
 	for _, field := range []string{"max_request_body", "max_response_body"} {
-		prune := caddy.Duration(time.Hour)
-		h := &Handler{MaxRequestBody: 1 << 20, MaxResponseBody: 1 << 20, Retention: caddy.Duration(time.Hour),
-			LockTimeout: caddy.Duration(time.Second), KeyHeader: defaultKeyHeader, CredentialHeader: defaultCredentialHeader, MismatchStatus: http.StatusConflict, OnStoreError: onStoreErrorFailClosed, PruneInterval: &prune}
-		if err := h.Validate(); err != nil {
-			t.Fatalf("valid handler refused: %v", err)
-		}
-		if field == "max_request_body" {
-			h.MaxRequestBody = 100 << 30
-		} else {
-			h.MaxResponseBody = 100 << 30
-		}
-		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), field) || !strings.Contains(err.Error(), "2GiB") {
-			t.Errorf("%s of 100 GiB: %v, want a refusal", field, err)
+		err := load(fmt.Sprintf(`{"handler": "idempotency", %q: 107374182400}`, field))
+		if err == nil || !strings.Contains(err.Error(), field) || !strings.Contains(err.Error(), "2GiB") {
+			t.Errorf("%s of 100 GB: %v, want a refusal", field, err)
 		}
 	}
 }
