@@ -280,6 +280,12 @@ func (h *Handler) Validate() error {
 	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
 		return fmt.Errorf("max_request_body and max_response_body must be positive")
 	}
+	// The Caddyfile's bound, for JSON too: a body is held in memory.
+	for name, n := range map[string]int64{"max_request_body": h.MaxRequestBody, "max_response_body": h.MaxResponseBody} {
+		if n > math.MaxInt32 {
+			return fmt.Errorf("idempotency: %s: size must be between 1 byte and 2GiB, got %d", name, n)
+		}
+	}
 	if h.ReplayCache != nil && *h.ReplayCache < 0 {
 		return fmt.Errorf("replay_cache must not be negative")
 	}
@@ -498,33 +504,43 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 	}
 }
 
+// initialBodyBuffer is the most that is allocated for a body before its
+// bytes arrive: a declared Content-Length costs nothing until it is sent.
+const initialBodyBuffer = 64 << 10
+
 // readBody reads the request body up to MaxRequestBody. The problem it
 // returns, if any, is the client's error: nothing has been stored yet.
 // With a problem, the bytes are those read so far: shadow mode hands them
 // on, followed by the rest of the body.
 func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
-	tooLarge := func() *problem {
+	tooLarge := func(limit int64) *problem {
 		p := probBodyTooLarge.withDetail(fmt.Sprintf(
-			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", limit))
 		return &p
 	}
 	if r.ContentLength > h.MaxRequestBody {
-		return nil, tooLarge()
+		return nil, tooLarge(h.MaxRequestBody)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return []byte{}, nil
 	}
-	// With a Content-Length, the body is read in one allocation of its
-	// size (+1 to see EOF without growing), the one copy a request costs.
+	// The buffer grows, by doubling, with the bytes that arrive: a
+	// client that declares a large body and sends little holds little.
+	// A body that arrives whole as declared fits its first buffer when
+	// it is small (+1 to see EOF without growing), and costs a few
+	// copies when it is large.
+	limit := h.MaxRequestBody + 1
 	size := int64(512)
 	if r.ContentLength >= 0 {
 		size = r.ContentLength + 1
 	}
-	buf := make([]byte, 0, size)
-	lr := io.LimitedReader{R: r.Body, N: h.MaxRequestBody + 1}
+	buf := make([]byte, 0, min(size, initialBodyBuffer, limit))
+	lr := io.LimitedReader{R: r.Body, N: limit}
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit))
+			copy(grown, buf)
+			buf = grown
 		}
 		n, err := lr.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -532,6 +548,12 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 			break
 		}
 		if err != nil {
+			// A request_body limit around this handler (or any
+			// http.MaxBytesReader) is a body too large too.
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return buf, tooLarge(mbe.Limit)
+			}
 			p := probBodyUnreadable
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
@@ -541,7 +563,7 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 		}
 	}
 	if int64(len(buf)) > h.MaxRequestBody {
-		return buf, tooLarge()
+		return buf, tooLarge(h.MaxRequestBody)
 	}
 	return buf, nil
 }
@@ -572,6 +594,12 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
 		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
 	}
+	gunzip, prob := replayCoding(r, resp)
+	if prob != nil {
+		h.logger.Info("idempotency.not_acceptable", fields(
+			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))...)
+		return h.finish(w, repl, resultRejected, *prob, 0)
+	}
 	age := time.Since(rec.CreatedAt).Seconds()
 	if c := h.logger.Check(zapcore.InfoLevel, "idempotency.replay"); c != nil {
 		c.Write(fields(zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))...)
@@ -579,33 +607,74 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	replayAge.Observe(age)
 	repl.Set("http.idempotency.result", resultReplayed)
 
-	// The stored headers replace whatever handlers before us set (a
-	// `header` directive, Server): those were already in the map when
-	// the original response was recorded, unless the next handler
-	// removed them, as reverse_proxy does with Server. Assign, never
-	// Add, or values would be doubled.
-	//
-	// The values are copied, all in one allocation: the stored ones may
-	// be shared with other replays (the replay cache). Each header gets a
-	// full slice expression, so that a handler appending to one
-	// reallocates instead of writing over its neighbour.
+	h.replay(w, r, resp, gunzip)
+	return nil
+}
+
+// replay sends the stored response resp as the answer to r, its body
+// decoded from gzip if gunzip is set (see replayCoding).
+//
+// It starts from the headers that handlers around this one have already
+// set on this request (a `header` directive's values, a Set-Cookie that
+// the record never holds): they belong to this response. The stored
+// headers replace those of the same names, since they were in the map
+// when the original response was recorded, unless the next handler
+// removed them. Assign, never Add, or values would be doubled. Server is
+// the exception: the stored response says who produced it (reverse_proxy
+// removes Caddy's in favour of Via), so it comes from the record or not
+// at all.
+//
+// The values are copied, all in one allocation: the stored ones may be
+// shared with other replays (the replay cache). Each header gets a full
+// slice expression, so that a handler appending to one reallocates
+// instead of writing over its neighbour.
+func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response, gunzip bool) {
 	hdr := w.Header()
-	clear(hdr)
+	delete(hdr, "Server")
 	n := 0
-	for _, values := range resp.Header {
+	var trailers []string
+	for name, values := range resp.Header {
+		if t, ok := strings.CutPrefix(name, trailerPrefix); ok {
+			trailers = append(trailers, t)
+			continue
+		}
 		n += len(values)
 	}
 	all := make([]string, 0, n+2)
 	for name, values := range resp.Header {
+		if strings.HasPrefix(name, trailerPrefix) {
+			continue
+		}
 		all = append(all, values...)
 		hdr[name] = all[len(all)-len(values) : len(all) : len(all)]
 	}
 	all = append(all, "true", "true")
 	hdr["Idempotent-Replay"] = all[n : n+1 : n+1]
 	hdr["Idempotent-Replayed"] = all[n+1 : n+2 : n+2]
+	if len(trailers) > 0 {
+		// Declared, so that the body is sent chunked (a length would
+		// leave no room for trailers) and the trailers follow it.
+		hdr["Trailer"] = []string{strings.Join(trailers, ", ")}
+		delete(hdr, "Content-Length")
+	}
+	if gunzip {
+		delete(hdr, "Content-Encoding")
+		delete(hdr, "Content-Length")
+	}
 	w.WriteHeader(resp.Status)
-	_, _ = w.Write(resp.Body)
-	return nil
+	if gunzip {
+		if err := copyGunzipped(w, resp.Body); err != nil {
+			// The client has part of a body: abort the response
+			// rather than end it as though it were whole.
+			h.logger.Error("idempotency.replay_decode", zap.String("path", r.URL.Path), zap.Error(err))
+			panic(http.ErrAbortHandler)
+		}
+	} else {
+		_, _ = w.Write(resp.Body)
+	}
+	for _, name := range trailers {
+		hdr[name] = append([]string(nil), resp.Header[trailerPrefix+name]...)
+	}
 }
 
 // execute runs the next handler for a request that owns its key, and
@@ -673,8 +742,14 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 			repl.Set("http.idempotency.result", h.result(result))
 			return err
 		}
-		// The upstream may have acted on the request: storing this
-		// answer is what keeps a retry from running it a second time.
+	}
+	resp := rec.response(h.excluded)
+	// An error before any response, or a cut-off execution (reverse_proxy
+	// answers 499 when execution_timeout cancels it, with nothing the
+	// retry could use), leaves the outcome unknown: the upstream may
+	// have acted on the request. Storing that answer is what keeps a
+	// retry from running it a second time.
+	if err != nil && !rec.wroteHeader || execCtx.Err() != nil || rec.status == statusClientClosedRequest {
 		p := probOutcomeUnknown
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode >= 500 {
@@ -682,13 +757,26 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
-		p.write(rec, 0)
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
+		if !rec.wroteHeader && !h.Shadow {
+			p.write(rec, 0)
+		}
+		resp = p.response()
 	}
 
-	h.complete(rk, token, key, credID, r, rec.response(h.excluded), lockedAt)
+	h.complete(rk, token, key, credID, r, resp, lockedAt)
+	if h.Shadow {
+		// Shadow mode changes no response: the error goes on to the
+		// site's error handling, as it would without this handler.
+		return err
+	}
 	return nil
 }
+
+// statusClientClosedRequest is what reverse_proxy writes when its
+// request's context is cancelled.
+const statusClientClosedRequest = 499
 
 // serveRecovering calls next, and returns what it panicked with, if it
 // did, instead of panicking.
