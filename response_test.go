@@ -47,7 +47,7 @@ func wantReplayedProblem(t *testing.T, r reply, status int, typ string) {
 func TestExecutionTimeoutStoresOutcomeUnknown(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
-		s := protectedSite(t, sb, up.Addr(), "execution_timeout 300ms")
+		s := protectedSite(t, sb, up.Addr(), "execution_timeout 1s")
 		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(4 * time.Second)}
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
