@@ -7,6 +7,8 @@ package idempotency
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -33,7 +35,10 @@ type pgPair struct {
 // the standby replicates asynchronously. It returns once the standby is
 // streaming, and stops both servers when the test ends. Without the
 // server binaries the test fails, saying what to install.
-func startPGPair(t testing.TB, synchronous bool) *pgPair {
+//
+// A lag above zero puts the standby that far behind the primary: it
+// streams through lagProxy.
+func startPGPair(t testing.TB, synchronous bool, lag time.Duration) *pgPair {
 	t.Helper()
 	initdb, pgCtl, err := findPostgresBinaries()
 	if err != nil {
@@ -107,7 +112,11 @@ func startPGPair(t testing.TB, synchronous bool) *pgPair {
 	}
 	// Promoted, the standby must not wait for a standby of its own that
 	// does not exist, as a failover manager would see to.
-	if err := c.start("standby", c.StandbyPort, "-c synchronous_standby_names=''"); err != nil {
+	standbyOpts := "-c synchronous_standby_names=''"
+	if lag > 0 {
+		standbyOpts += fmt.Sprintf(" -c primary_conninfo='host=127.0.0.1 port=%d user=postgres'", lagProxy(t, c.PrimaryPort, lag))
+	}
+	if err := c.start("standby", c.StandbyPort, standbyOpts); err != nil {
 		t.Fatal(err)
 	}
 	want := "async"
@@ -188,4 +197,72 @@ func (c *pgPair) Promote(t testing.TB) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// lagProxy forwards connections to the primary on port, and holds what
+// the primary sends for lag before passing it on. When the primary's side
+// of a connection ends, what the proxy still holds is dropped, as the
+// unsent WAL of a primary whose machine died is.
+func lagProxy(t testing.TB, port int, lag time.Duration) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			down, err := l.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				down.Close()
+				continue
+			}
+			go func() {
+				_, _ = io.Copy(up, down)
+				up.Close()
+			}()
+			type chunk struct {
+				due  time.Time
+				data []byte
+			}
+			chunks := make(chan chunk, 1<<16)
+			gone := make(chan struct{})
+			go func() {
+				defer close(gone)
+				for {
+					b := make([]byte, 32<<10)
+					n, err := up.Read(b)
+					if n > 0 {
+						chunks <- chunk{time.Now().Add(lag), b[:n]}
+					}
+					if err != nil {
+						return
+					}
+				}
+			}()
+			go func() {
+				defer down.Close()
+				for {
+					select {
+					case c := <-chunks:
+						select {
+						case <-time.After(time.Until(c.due)):
+						case <-gone:
+							return
+						}
+						if _, err := down.Write(c.data); err != nil {
+							return
+						}
+					case <-gone:
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return l.Addr().(*net.TCPAddr).Port
 }

@@ -6,6 +6,7 @@ package idempotency
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,42 +28,65 @@ const replicationQuery = `SELECT current_setting('synchronous_commit'),
 FROM pg_stat_replication r JOIN pg_stat_activity a ON a.pid = r.pid
 WHERE a.datid IS NULL AND r.state IS DISTINCT FROM 'backup'`
 
+// replicationChecked holds the pools whose replication was checked:
+// the stores of several sites, and config reloads, share a pool, and one
+// warning per database is enough. (A pool stays in it once closed: a
+// pointer per dsn ever configured.)
+var replicationChecked sync.Map
+
 // warnAsyncReplication logs one warning when the primary that pool
 // reaches has standbys that its commits do not wait for. It runs in the
 // background: a store may start while its database is down, and the
 // check is advice, so an error (no privilege, no server) is only logged
 // at debug level.
 func warnAsyncReplication(ctx context.Context, pool *pgxpool.Pool, logger *zap.Logger) {
+	if _, checked := replicationChecked.LoadOrStore(pool, true); checked {
+		return
+	}
 	go func() {
 		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
-		var commit, names, async string
-		var known, unknown int
-		err := pool.QueryRow(ctx, replicationQuery).Scan(&commit, &names, &async, &known, &unknown)
-		if err != nil {
-			logger.Debug("could not check the database's replication", zap.Error(err))
-			return
-		}
-		var why string
+		r, err := checkReplication(ctx, pool)
 		switch {
-		case known+unknown == 0:
-			return // no standby, or one this check cannot see (a managed service's storage replication)
-		case async != "":
-			why = "standbys replicate asynchronously"
-		case names == "":
-			// The senders' details are hidden, but with no synchronous
-			// standby named, every standby is asynchronous.
-			why = "standbys replicate asynchronously"
-		case commit == "off" || commit == "local":
-			why = "synchronous_commit is " + commit + ": commits do not wait for the synchronous standby"
-		default:
-			return
+		case err != nil:
+			logger.Debug("could not check the database's replication", zap.Error(err))
+		case r.risk != "":
+			logger.Warn("a failover of this database can lose records: "+r.risk+", so an acquire or a completion "+
+				"committed on the primary but not yet replicated is missing on the promoted standby, and its key "+
+				"executes again; set synchronous_standby_names and synchronous_commit = on (README, High availability)",
+				zap.String("async_standbys", r.asyncStandbys),
+				zap.String("synchronous_standby_names", r.standbyNames),
+				zap.String("synchronous_commit", r.commit))
 		}
-		logger.Warn("a failover of this database can lose records: "+why+", so an acquire or a completion "+
-			"committed on the primary but not yet replicated is missing on the promoted standby, and its key "+
-			"executes again; set synchronous_standby_names and synchronous_commit = on (README, High availability)",
-			zap.String("async_standbys", async),
-			zap.String("synchronous_standby_names", names),
-			zap.String("synchronous_commit", commit))
 	}()
+}
+
+// replication is what checkReplication found; risk is "" when a
+// failover to a standby loses nothing that was committed (or when there
+// is no standby this check can see, such as a managed service's storage
+// replication).
+type replication struct {
+	commit, standbyNames, asyncStandbys string
+	risk                                string
+}
+
+func checkReplication(ctx context.Context, pool *pgxpool.Pool) (replication, error) {
+	var r replication
+	var known, unknown int
+	err := pool.QueryRow(ctx, replicationQuery).Scan(&r.commit, &r.standbyNames, &r.asyncStandbys, &known, &unknown)
+	if err != nil {
+		return r, err
+	}
+	switch {
+	case known+unknown == 0:
+	case r.asyncStandbys != "":
+		r.risk = "standbys replicate asynchronously"
+	case r.standbyNames == "":
+		// The senders' details are hidden, but with no synchronous
+		// standby named, every standby is asynchronous.
+		r.risk = "standbys replicate asynchronously"
+	case r.commit == "off" || r.commit == "local":
+		r.risk = "synchronous_commit is " + r.commit + ": commits do not wait for the synchronous standby"
+	}
+	return r, nil
 }
