@@ -435,14 +435,14 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 	for _, k := range r.keys {
 		requests += len(k.attempts) + len(k.again)
 	}
-	mode := "synchronous"
+	mode := "synchronous replication"
 	if !synchronous {
-		mode = "asynchronous"
+		mode = "asynchronous replication"
 	}
 	if r.lag > 0 {
 		mode += fmt.Sprintf(", the standby %v behind", r.lag)
 	}
-	t.Logf("failover (%s replication, lock_timeout %v): %d keys, %d requests in %v; primary stopped at %v, "+
+	t.Logf("failover (%s, lock_timeout %v): %d keys, %d requests in %v; primary stopped at %v, "+
 		"promotion requested %v later, done in %v; first 2xx %v after the promotion was requested; "+
 		"executed twice: %d, never executed: %d, records lost: %d, keys without a 2xx: %d; "+
 		"statuses between the stop and the first 2xx: [%s]; requests in flight at the stop that got their 2xx: %d "+
