@@ -3,10 +3,13 @@ package idempotency
 // A failover under load: two Caddy processes on the multi-host DSN of a
 // primary and its synchronous standby, clients that retry each key until
 // they get a 2xx, the primary stopped at once mid-load, the standby
-// promoted a moment later, more load. Then, against the upstream's
-// ledger and the promoted server's table: every key executed exactly
-// once, every record completed, only 503 and 409 in progress while there
-// was no primary, and 2xx again soon after the promotion.
+// promoted a moment later, more load, and then every key sent once more
+// to the instance that had not answered it (its replay cache cannot
+// stand in for the table). Then, against the upstream's ledger and the
+// promoted server's table: every key executed exactly once, every record
+// completed, only 503 and 409 in progress while there was no primary,
+// 2xx again soon after the promotion, and `wait` woken on the promoted
+// server.
 //
 // IDEMPOTENCY_FAILOVER_ASYNC=1 runs the same failover on asynchronous
 // replication, and reports what it lost instead of failing on it: the
