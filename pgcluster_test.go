@@ -45,7 +45,13 @@ func startPGPair(t testing.TB, synchronous bool, lag time.Duration) *pgPair {
 		t.Fatalf("%v\ninstall PostgreSQL's server binaries (Debian: apt-get install postgresql) "+
 			"to run the failover tests", err)
 	}
-	basebackup := filepath.Join(filepath.Dir(pgCtl), "pg_basebackup")
+	// Next to the real pg_ctl (PATH may hold links to it), so that the
+	// versions match.
+	binDir := filepath.Dir(pgCtl)
+	if real, err := filepath.EvalSymlinks(pgCtl); err == nil {
+		binDir = filepath.Dir(real)
+	}
+	basebackup := filepath.Join(binDir, "pg_basebackup")
 	if _, err := os.Stat(basebackup); err != nil {
 		if basebackup, err = exec.LookPath("pg_basebackup"); err != nil {
 			t.Fatalf("no pg_basebackup next to %s nor on PATH: install PostgreSQL's client binaries "+
