@@ -367,7 +367,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(headOf(r), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -402,7 +402,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		case errors.Is(err, ErrLockLost):
 			h.logger.Warn("idempotency.lock_lost",
 				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("method", r.Method), zap.String("path", r.URL.Path),
+				zap.String("method", r.Method), zap.String("path", clientPath(r)),
 				zap.String("during", "confirm"))
 			return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
 		case err != nil:
@@ -426,8 +426,8 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 		Key:         rk,
 		Token:       token,
 		Fingerprint: fp,
-		Method:      r.Method,
-		Path:        r.URL.Path,
+		Method:      clientRequest(r).Method,
+		Path:        clientPath(r),
 		LockTimeout: time.Duration(h.LockTimeout),
 		Retention:   time.Duration(h.Retention),
 	}
@@ -488,7 +488,7 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 		f := make([]zap.Field, 0, 4+len(extra))
 		f = append(f,
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path))
+			zap.String("method", r.Method), zap.String("path", clientPath(r)))
 		return append(f, extra...)
 	}
 	if rec.Fingerprint != fp {
@@ -578,7 +578,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		// one, not the part of a response that the client got.
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Any("panic", panicked))
 		h.complete(rk, token, key, credID, r, probOutcomeUnknown.response(), lockedAt)
 		panic(panicked)
@@ -603,7 +603,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
+			zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
 		p.write(rec, 0)
 	}
 
@@ -762,7 +762,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	case errors.Is(err, ErrLockLost):
 		h.logger.Error("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "complete"))
 	case err != nil:
 		h.storeError("complete", key, credID, r, err)
@@ -778,7 +778,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 		// Nothing was released: the record is another request's now.
 		h.logger.Warn("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "release"))
 		return
 	case err != nil:
@@ -787,7 +787,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 	}
 	h.logger.Info("idempotency.release",
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		zap.String("method", r.Method), zap.String("path", clientPath(r)),
 		zap.NamedError("cause", cause))
 }
 
@@ -821,7 +821,7 @@ func (h *Handler) storeError(op, key, credID string, r *http.Request, err error)
 	h.logger.Error("idempotency.store_error",
 		zap.String("operation", op), zap.String("key", key),
 		zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
+		zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
 }
 
 // Results, as {http.idempotency.result} shows them.
