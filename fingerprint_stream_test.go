@@ -11,18 +11,29 @@ import (
 
 // referenceFingerprint is fingerprint computed the plain way: the whole
 // hash input built in memory, then hashed.
-func referenceFingerprint(method, path, rawQuery, contentType string, body []byte) [32]byte {
+func referenceFingerprint(h requestHead, body []byte) [32]byte {
 	buf := []byte(fingerprintDomain)
-	for _, field := range [...]string{method, path, rawQuery} {
+	for _, field := range [...]string{h.Method, h.Host, h.Path, h.RawQuery} {
 		buf = binary.BigEndian.AppendUint64(buf, uint64(len(field)))
 		buf = append(buf, field...)
 	}
-	if isJSONContentType(contentType) {
+	buf = appendMediaType(buf, h.ContentType)
+	if len(h.ContentType) == 1 && isJSONContentType(h.ContentType[0]) {
 		if out, ok := canonicalJSON(nil, body); ok {
-			return sha256.Sum256(append(buf, out...))
+			return sha256.Sum256(append(append(buf, bodyCanon), out...))
 		}
 	}
-	return sha256.Sum256(append(buf, body...))
+	return sha256.Sum256(append(append(buf, bodyRaw), body...))
+}
+
+// head is the requestHead of a POST to example.com with one Content-Type
+// field, or none if contentType is "".
+func head(path, rawQuery, contentType string) requestHead {
+	h := requestHead{Method: "POST", Host: "example.com", Path: path, RawQuery: rawQuery}
+	if contentType != "" {
+		h.ContentType = []string{contentType}
+	}
+	return h
 }
 
 // TestFingerprintStreamsLargeBodies: hashing the input as it is produced,
@@ -52,12 +63,12 @@ func TestFingerprintStreamsLargeBodies(t *testing.T) {
 		"empty":              {"application/json", nil},
 	}
 	for name, c := range cases {
-		got := fingerprint("POST", "/v1/charges", "x=1", c.contentType, c.body)
-		if want := referenceFingerprint("POST", "/v1/charges", "x=1", c.contentType, c.body); got != want {
+		got := fingerprint(head("/v1/charges", "x=1", c.contentType), c.body)
+		if want := referenceFingerprint(head("/v1/charges", "x=1", c.contentType), c.body); got != want {
 			t.Errorf("%s: streamed fingerprint %x, whole-input fingerprint %x", name, got, want)
 		}
 		// And again, from a pooled state that held a large input.
-		if again := fingerprint("POST", "/v1/charges", "x=1", c.contentType, c.body); again != got {
+		if again := fingerprint(head("/v1/charges", "x=1", c.contentType), c.body); again != got {
 			t.Errorf("%s: a second fingerprint differs", name)
 		}
 	}
@@ -68,6 +79,6 @@ func BenchmarkFingerprint1MiB(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(body)))
 	for b.Loop() {
-		fingerprint("POST", "/v1/charges", "", "application/json", body)
+		fingerprint(head("/v1/charges", "", "application/json"), body)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -136,7 +137,16 @@ func TestCanonicalJSON(t *testing.T) {
 		{name: "escaped names sort by their decoded value", in: `{"b":1,"\u0061":2,"\u0063":3}`, want: `{"\u0061":2,"b":1,"\u0063":3}`},
 		{name: "decoded-equal names are duplicates", in: `{"\u0061":1,"a":2}`, want: `{"\u0061":1,"a":2}`},
 		{name: "decoded-equal names other order", in: `{"a":2,"\u0061":1}`, want: `{"a":2,"\u0061":1}`},
-		{name: "names by code point", in: `{"é":1,"z":2,"Z":3,"":4,"aa":5,"a":6}`, want: `{"":4,"Z":3,"a":6,"aa":5,"z":2,"é":1}`},
+		{name: "names by folded code point", in: `{"é":1,"z":2,"Y":3,"":4,"aa":5,"a":6}`, want: `{"":4,"a":6,"aa":5,"Y":3,"z":2,"é":1}`},
+		{name: "names equal but for case keep their order", in: `{"amount":100,"AMOUNT":1000000}`, want: `{"amount":100,"AMOUNT":1000000}`},
+		{name: "names equal but for case, other order", in: `{"AMOUNT":1000000,"amount":100}`, want: `{"AMOUNT":1000000,"amount":100}`},
+		{name: "case-equal names among others", in: `{"b":1,"Amount":2,"a":3,"amount":4,"AMOUNT":5}`, want: `{"a":3,"Amount":2,"amount":4,"AMOUNT":5,"b":1}`},
+		{name: "Kelvin sign folds to k", in: `{"\u212a":1,"b":0,"k":2}`, want: `{"b":0,"\u212a":1,"k":2}`},
+		{name: "Kelvin sign unescaped", in: `{"k":2,"b":0,"K":1}`, want: `{"b":0,"k":2,"K":1}`},
+		{name: "long s folds to s", in: `{"ſ":1,"S":2,"r":0}`, want: `{"r":0,"ſ":1,"S":2}`},
+		{name: "non-ASCII case", in: `{"É":1,"é":2,"e":0}`, want: `{"e":0,"É":1,"é":2}`},
+		{name: "underscores and dashes are ignored by some binders", in: `{"user_id":1,"a":0,"userid":2,"USER-ID":3}`, want: `{"a":0,"user_id":1,"userid":2,"USER-ID":3}`},
+		{name: "escaped case-equal names", in: `{"\u0041":1,"a":2}`, want: `{"\u0041":1,"a":2}`},
 		{name: "surrogate pair name", in: `{"\ud83d\ude00":1,"\uffff":2}`, want: `{"\uffff":2,"\ud83d\ude00":1}`},
 		{name: "lone surrogates decode to U+FFFD as in encoding/json", in: `{"\ud800":1,"\uFFFD":2,"\udc00":3}`, want: `{"\ud800":1,"\uFFFD":2,"\udc00":3}`},
 		{name: "deep but within the limit", in: strings.Repeat("[", canonMaxDepth) + strings.Repeat("]", canonMaxDepth), want: strings.Repeat("[", canonMaxDepth) + strings.Repeat("]", canonMaxDepth)},
@@ -205,8 +215,8 @@ func TestCanonicalJSONHostileNesting(t *testing.T) {
 				t.Fatal("canonicalised a body nested 100,000 levels deep")
 			}
 			// The fingerprint falls back to the raw body.
-			fp := fingerprint("POST", "/", "", "application/json", []byte(body))
-			if fp != fingerprint("POST", "/", "", "text/plain", []byte(body)) {
+			h := head("/", "", "application/json")
+			if fingerprint(h, []byte(body)) != referenceFingerprint(h, []byte(body)) {
 				t.Fatal("a body that cannot be canonicalised is not hashed raw")
 			}
 			if d := time.Since(start); d > time.Second {
@@ -236,27 +246,37 @@ func TestCanonicalJSONManyMembers(t *testing.T) {
 
 func TestFingerprint(t *testing.T) {
 	const js = "application/json"
-	base := fingerprint("POST", "/charges", "a=1", js, []byte(`{"a":1,"b":2}`))
+	h := func(method, host, path, query string, ct ...string) requestHead {
+		return requestHead{Method: method, Host: host, Path: path, RawQuery: query, ContentType: ct}
+	}
+	base := fingerprint(h("POST", "api.example", "/charges", "a=1", js), []byte(`{"a":1,"b":2}`))
 	for _, tc := range []struct {
-		name                    string
-		method, path, query, ct string
-		body                    string
-		same                    bool
+		name string
+		head requestHead
+		body string
+		same bool
 	}{
-		{name: "identical", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":2}`, same: true},
-		{name: "reordered, spaced JSON", method: "POST", path: "/charges", query: "a=1", ct: js, body: "{ \"b\": 2, \"a\": 1 }\n", same: true},
-		{name: "+json with charset", method: "POST", path: "/charges", query: "a=1", ct: "application/vnd.x+json; charset=utf-8", body: `{"b":2,"a":1}`, same: true},
-		{name: "number spelled differently", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1.0,"b":2}`},
-		{name: "other value", method: "POST", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":3}`},
-		{name: "reordered but not JSON", method: "POST", path: "/charges", query: "a=1", ct: "text/plain", body: `{"b":2,"a":1}`},
-		{name: "other method", method: "PATCH", path: "/charges", query: "a=1", ct: js, body: `{"a":1,"b":2}`},
-		{name: "other path", method: "POST", path: "/charges/", query: "a=1", ct: js, body: `{"a":1,"b":2}`},
-		{name: "other query", method: "POST", path: "/charges", query: "a=2", ct: js, body: `{"a":1,"b":2}`},
-		{name: "no query", method: "POST", path: "/charges", query: "", ct: js, body: `{"a":1,"b":2}`},
-		{name: "query moved into the path", method: "POST", path: "/chargesa=1", query: "", ct: js, body: `{"a":1,"b":2}`},
+		{name: "identical", head: h("POST", "api.example", "/charges", "a=1", js), body: `{"a":1,"b":2}`, same: true},
+		{name: "reordered, spaced JSON", head: h("POST", "api.example", "/charges", "a=1", js), body: "{ \"b\": 2, \"a\": 1 }\n", same: true},
+		{name: "media type in capitals", head: h("POST", "api.example", "/charges", "a=1", "Application/JSON"), body: `{"b":2,"a":1}`, same: true},
+		{name: "number spelled differently", head: h("POST", "api.example", "/charges", "a=1", js), body: `{"a":1.0,"b":2}`},
+		{name: "other value", head: h("POST", "api.example", "/charges", "a=1", js), body: `{"a":1,"b":3}`},
+		{name: "same bytes as text", head: h("POST", "api.example", "/charges", "a=1", "text/plain"), body: `{"a":1,"b":2}`},
+		{name: "reordered but not JSON", head: h("POST", "api.example", "/charges", "a=1", "text/plain"), body: `{"b":2,"a":1}`},
+		{name: "another +json type", head: h("POST", "api.example", "/charges", "a=1", "application/vnd.x+json"), body: `{"a":1,"b":2}`},
+		{name: "with a charset", head: h("POST", "api.example", "/charges", "a=1", "application/json; charset=utf-8"), body: `{"a":1,"b":2}`},
+		{name: "no Content-Type", head: h("POST", "api.example", "/charges", "a=1"), body: `{"a":1,"b":2}`},
+		{name: "two Content-Type fields", head: h("POST", "api.example", "/charges", "a=1", js, js), body: `{"a":1,"b":2}`},
+		{name: "other method", head: h("PATCH", "api.example", "/charges", "a=1", js), body: `{"a":1,"b":2}`},
+		{name: "other host", head: h("POST", "shop.example", "/charges", "a=1", js), body: `{"a":1,"b":2}`},
+		{name: "other port", head: h("POST", "api.example:8443", "/charges", "a=1", js), body: `{"a":1,"b":2}`},
+		{name: "other path", head: h("POST", "api.example", "/charges/", "a=1", js), body: `{"a":1,"b":2}`},
+		{name: "other query", head: h("POST", "api.example", "/charges", "a=2", js), body: `{"a":1,"b":2}`},
+		{name: "no query", head: h("POST", "api.example", "/charges", "", js), body: `{"a":1,"b":2}`},
+		{name: "query moved into the path", head: h("POST", "api.example", "/chargesa=1", "", js), body: `{"a":1,"b":2}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := fingerprint(tc.method, tc.path, tc.query, tc.ct, []byte(tc.body))
+			got := fingerprint(tc.head, []byte(tc.body))
 			if (got == base) != tc.same {
 				t.Fatalf("fingerprint equal to the base: %v, want %v", got == base, tc.same)
 			}
@@ -264,23 +284,45 @@ func TestFingerprint(t *testing.T) {
 	}
 }
 
-// TestFingerprintFraming checks that moving bytes from one field to the
-// next changes the fingerprint.
+// TestFingerprintFraming checks that distinct requests fingerprint
+// differently, in particular when bytes move from one field to the next.
 func TestFingerprintFraming(t *testing.T) {
-	type req struct{ method, path, query, body string }
+	type req struct {
+		method, host, path, query string
+		ct                        []string
+		body                      string
+	}
+	plain := []string{"text/plain"}
 	seen := map[[32]byte]req{}
 	for _, r := range []req{
-		{"POST", "/ab", "", ""},
-		{"POSTa", "/b", "", ""},
-		{"POST", "/a", "b", ""},
-		{"POST", "/", "ab", ""},
-		{"POST", "/", "a", "b"},
-		{"POST", "/", "", "ab"},
-		{"POST", "", "/", "ab"},
-		{"", "POST", "/", "ab"},
-		{"POST/", "", "", "ab"},
+		{"POST", "h", "/ab", "", nil, ""},
+		{"POSTh", "", "/ab", "", nil, ""},
+		{"POST", "h/ab", "", "", nil, ""},
+		{"POST", "h", "/a", "b", nil, ""},
+		{"POST", "h", "/", "ab", nil, ""},
+		{"POST", "h", "/", "a", nil, "b"},
+		{"POST", "h", "/", "", nil, "ab"},
+		{"POST", "h", "/", "", []string{""}, "ab"},
+		{"POST", "h", "/", "", []string{"a"}, "b"},
+		{"POST", "h", "/", "", []string{"ab"}, ""},
+		{"POST", "h", "/", "", []string{"a", "b"}, ""},
+		{"POST", "h", "/", "", []string{"a", ""}, "b"},
+		{"POST", "h", "/", "", []string{"a, b"}, ""},
+		{"POST", "h", "/", "", []string{"text/plain; charset=a"}, "b"},
+		{"POST", "h", "/", "", []string{"text/plain; charset=ab"}, ""},
+		{"POST", "h", "/", "", []string{"text/plain; a=b"}, ""},
+		{"POST", "h", "/", "", []string{"text/plain; a=b; c=d"}, ""},
+		{"POST", "h", "/", "", []string{`text/plain; a="b; c=d"`}, ""},
+		{"POST", "h", "/", "", plain, "; charset=ab"},
+		{"POST", "h", "/", "", plain, ""},
+		{"POST", "h", "/", "", []string{"application/json"}, `{"a":1}`},
+		{"POST", "h", "/", "", plain, `{"a":1}`},
+		{"POST", "h", "/", "", []string{"application/json-patch+json"}, `[{"op":"remove","path":"/a"}]`},
+		{"POST", "h", "/", "", []string{"application/merge-patch+json"}, `[{"op":"remove","path":"/a"}]`},
+		{"POST", "", "", "", nil, "h/ab"},
+		{"", "POST", "h", "/", nil, "ab"},
 	} {
-		fp := fingerprint(r.method, r.path, r.query, "text/plain", []byte(r.body))
+		fp := fingerprint(requestHead{Method: r.method, Host: r.host, Path: r.path, RawQuery: r.query, ContentType: r.ct}, []byte(r.body))
 		if prev, dup := seen[fp]; dup {
 			t.Fatalf("%+v and %+v fingerprint alike", prev, r)
 		}
@@ -288,9 +330,23 @@ func TestFingerprintFraming(t *testing.T) {
 	}
 }
 
+// TestFingerprintMediaTypeNormalised: a media type's spelling is not part
+// of the request, its meaning is.
+func TestFingerprintMediaTypeNormalised(t *testing.T) {
+	body := []byte(`{"a":1}`)
+	for _, pair := range [][2]string{
+		{"application/json; charset=utf-8", "Application/JSON;Charset=UTF-8"},
+		{"text/plain; a=1; b=2", `text/plain;b="2";  a=1`},
+	} {
+		if fingerprint(head("/", "", pair[0]), body) != fingerprint(head("/", "", pair[1]), body) {
+			t.Errorf("%q and %q fingerprint differently", pair[0], pair[1])
+		}
+	}
+}
+
 func TestFingerprintEscapesKept(t *testing.T) {
-	a := fingerprint("POST", "/", "", "application/json", []byte(`{"name":"\u00e9"}`))
-	b := fingerprint("POST", "/", "", "application/json", []byte(`{"name":"é"}`))
+	a := fingerprint(head("/", "", "application/json"), []byte(`{"name":"\u00e9"}`))
+	b := fingerprint(head("/", "", "application/json"), []byte(`{"name":"é"}`))
 	if a == b {
 		t.Fatal(`"\u00e9" and "é" fingerprint alike: strings are meant to be kept exactly as sent`)
 	}
@@ -350,12 +406,13 @@ func FuzzCanonicalJSON(f *testing.F) {
 		`{"a":1,"b":2}`, `{ "b": 2, "a": 1 }`, `[1.0, -0, 1e-7, "\u00e9", "é", null, true, false]`,
 		`{"a":{"d":[{"y":1,"x":2}],"c":{}},"a":[]}`, `{"\ud83d\ude00":1,"\ud800":2,"\u0061":3,"a":4}`,
 		`{"a":1}x`, `[1,]`, "\"\xff\"", strings.Repeat("[", canonMaxDepth+1),
+		`{"amount":1,"b":0,"AMOUNT":2}`, `{"\u212a":1,"k":2,"s":3,"\u017f":4}`, `{"user_id":1,"userid":2}`,
 	} {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		out, ok := canonicalJSON(nil, in)
-		if got, want := fingerprint("POST", "/", "", "application/json", in), referenceFingerprint("POST", "/", "", "application/json", in); got != want {
+		if got, want := fingerprint(head("/", "", "application/json"), in), referenceFingerprint(head("/", "", "application/json"), in); got != want {
 			t.Fatalf("the streamed fingerprint of %q differs from the whole-input one", in)
 		}
 		if !ok {
@@ -380,10 +437,19 @@ func FuzzCanonicalJSON(f *testing.F) {
 		if a, b := decodeJSON(t, in), decodeJSON(t, out); !reflect.DeepEqual(a, b) {
 			t.Fatalf("%q decodes to %#v, its canonical form %q to %#v", in, a, out, b)
 		}
+		// A binder matching names case-insensitively reads the same.
+		var a, b struct {
+			Amount any `json:"amount"`
+			K      any `json:"k"`
+			S      any `json:"s"`
+		}
+		if json.Unmarshal(in, &a) == nil && (json.Unmarshal(out, &b) != nil || !reflect.DeepEqual(a, b)) {
+			t.Fatalf("%q binds to %+v, its canonical form %q to %+v", in, a, out, b)
+		}
 		p := reverser{b: out, distinct: true}
 		reversed := p.value()
 		if !p.distinct {
-			return // reordering duplicate names is meant to change the output
+			return // reordering such names is meant to change the output
 		}
 		if got, ok := canonicalJSON(nil, reversed); !ok || !bytes.Equal(got, out) {
 			t.Fatalf("%q with its members reversed, %q, canonicalises to %q, %v; want %q", in, reversed, got, ok, out)
@@ -408,7 +474,15 @@ func decodeJSON(t *testing.T, b []byte) any {
 type reverser struct {
 	b        []byte
 	i        int
-	distinct bool // no object has two names that decode alike
+	distinct bool // no object has two names that a binder could match alike
+}
+
+// bindsAlike reports whether a binder that matches names ignoring case
+// (and, as encoding/json/v2 can, '_' and '-') could take names a and b
+// for the same one.
+func bindsAlike(a, b string) bool {
+	strip := strings.NewReplacer("_", "", "-", "")
+	return strings.EqualFold(strip.Replace(a), strip.Replace(b))
 }
 
 func (p *reverser) value() []byte {
@@ -417,7 +491,7 @@ func (p *reverser) value() []byte {
 		object := p.b[p.i] == '{'
 		p.i++
 		var items [][]byte
-		names := map[string]bool{}
+		var names []string
 		for p.b[p.i] != '}' && p.b[p.i] != ']' {
 			if p.b[p.i] == ',' {
 				p.i++
@@ -429,10 +503,10 @@ func (p *reverser) value() []byte {
 				if err := json.Unmarshal(raw, &name); err != nil {
 					panic(err)
 				}
-				if names[name] {
+				if slices.ContainsFunc(names, func(n string) bool { return bindsAlike(n, name) }) {
 					p.distinct = false
 				}
-				names[name] = true
+				names = append(names, name)
 				p.i++ // the colon
 				item = append(append(raw, ':'), p.value()...)
 			} else {
@@ -489,7 +563,7 @@ func BenchmarkFingerprintJSON2KiB(b *testing.B) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(body2KiB)))
 	for b.Loop() {
-		fingerprint("POST", "/v1/payment_intents", "expand=customer", "application/json; charset=utf-8", body2KiB)
+		fingerprint(head("/v1/payment_intents", "expand=customer", "application/json; charset=utf-8"), body2KiB)
 	}
 }
 

@@ -661,6 +661,10 @@ func (s *site) request(ctx context.Context, c call) (*http.Request, error) {
 	if c.Chunked {
 		req.ContentLength = -1
 	}
+	// Every instance sees the same Host, as behind a load balancer: the
+	// Host is part of the fingerprint, and instances of a test listen on
+	// ports of their own.
+	req.Host = req.URL.Hostname()
 	if c.Key != "" {
 		h := c.KeyHeader
 		if h == "" {

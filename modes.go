@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -96,7 +95,7 @@ func (h *Handler) result(r string) string {
 func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, body []byte, key, credID string) error {
 	h.logger.Warn("idempotency.fail_open",
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", r.URL.Path))
+		zap.String("method", r.Method), zap.String("path", clientPath(r)))
 	repl.Set("http.idempotency.result", resultFailOpen)
 	restoreBody(r, body, nil)
 	return next.ServeHTTP(w, markProtected(r))
@@ -154,7 +153,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		restoreBody(r, body, prob)
 		return pass(resultRejected)
 	}
-	fp := fingerprint(strings.ToUpper(r.Method), r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(headOf(r), body)
 	restoreBody(r, body, nil)
 
 	h.executing.Add(1)
@@ -171,7 +170,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		h.logger.Info("idempotency.shadow", append([]zap.Field{
 			zap.String("would", would),
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 		}, extra...)...)
 		return pass(would)
 	}

@@ -438,7 +438,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	fp := fingerprint(method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(headOf(r), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -473,7 +473,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		case errors.Is(err, ErrLockLost):
 			h.logger.Warn("idempotency.lock_lost",
 				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("method", r.Method), zap.String("path", r.URL.Path),
+				zap.String("method", r.Method), zap.String("path", clientPath(r)),
 				zap.String("during", "confirm"))
 			return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
 		case err != nil:
@@ -497,8 +497,8 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 		Key:         rk,
 		Token:       token,
 		Fingerprint: fp,
-		Method:      r.Method,
-		Path:        r.URL.Path,
+		Method:      strings.ToUpper(clientRequest(r).Method),
+		Path:        clientPath(r),
 		LockTimeout: time.Duration(h.LockTimeout),
 		Retention:   time.Duration(h.Retention),
 	}
@@ -575,7 +575,7 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 		f := make([]zap.Field, 0, 4+len(extra))
 		f = append(f,
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path))
+			zap.String("method", r.Method), zap.String("path", clientPath(r)))
 		return append(f, extra...)
 	}
 	if rec.Fingerprint != fp {
@@ -722,7 +722,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		// one, not the part of a response that the client got.
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Any("panic", panicked))
 		h.complete(rk, token, key, credID, r, probOutcomeUnknown.response(), lockedAt)
 		panic(panicked)
@@ -757,7 +757,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
 		if !rec.wroteHeader && !h.Shadow {
 			p.write(rec, 0)
@@ -946,7 +946,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	case errors.Is(err, ErrLockLost):
 		h.logger.Error("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "complete"))
 	case err != nil:
 		h.storeError("complete", key, credID, r, err)
@@ -964,7 +964,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 		// Nothing was released: the record is another request's now.
 		h.logger.Warn("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "release"))
 		return true
 	case err != nil:
@@ -973,7 +973,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 	}
 	h.logger.Info("idempotency.release",
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", r.URL.Path),
+		zap.String("method", r.Method), zap.String("path", clientPath(r)),
 		zap.NamedError("cause", cause))
 	return true
 }
@@ -1008,7 +1008,7 @@ func (h *Handler) storeError(op, key, credID string, r *http.Request, err error)
 	h.logger.Error("idempotency.store_error",
 		zap.String("operation", op), zap.String("key", key),
 		zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
+		zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
 }
 
 // Results, as {http.idempotency.result} shows them.
