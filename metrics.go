@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -14,6 +15,9 @@ import (
 // each config a registry of its own, and counters that survive a reload
 // are what Prometheus expects. No label carries a key or a credential:
 // they are unbounded, and a credential's hash is not for a dashboard.
+// Nor the Host header, which the client chooses: the server label is the
+// name of the config's HTTP server, as Caddy's own caddy_http_* metrics
+// label it, so the two join.
 const (
 	metricsNamespace = "caddy"
 	metricsSubsystem = "idempotency"
@@ -24,8 +28,8 @@ var (
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "requests_total",
-		Help:      "Protected requests, by result ({http.idempotency.result}).",
-	}, []string{"result"})
+		Help:      "Protected requests, by HTTP server and result ({http.idempotency.result}).",
+	}, []string{"server", "result"})
 
 	storeDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: metricsNamespace,
@@ -48,6 +52,20 @@ var (
 		Subsystem: metricsSubsystem,
 		Name:      "lock_takeovers_total",
 		Help:      "In-progress records whose stale lock a retry took over (their owner presumably died).",
+	})
+
+	lockLost = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "lock_lost_total",
+		Help:      "Renewals, completions and releases that found their lock taken over (idempotency.lock_lost), by operation.",
+	}, []string{"operation"})
+
+	notReplayable = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "not_replayable_total",
+		Help:      "Retries answered 409 because the first response was not stored for replay (their result is rejected).",
 	})
 
 	prunedRecords = prometheus.NewCounter(prometheus.CounterOpts{
@@ -80,71 +98,102 @@ const (
 type opMetrics struct {
 	duration prometheus.Observer
 	errors   prometheus.Counter
+	// lockLost is nil for the operations that hold no lock.
+	lockLost prometheus.Counter
 }
 
 var storeOps = func() map[string]opMetrics {
 	m := make(map[string]opMetrics)
 	for _, op := range []string{opAcquire, opComplete, opRelease, opRenew, opPrune} {
-		m[op] = opMetrics{storeDuration.WithLabelValues(op), storeErrors.WithLabelValues(op)}
+		m[op] = opMetrics{duration: storeDuration.WithLabelValues(op), errors: storeErrors.WithLabelValues(op)}
+	}
+	for _, op := range []string{opComplete, opRelease, opRenew} {
+		om := m[op]
+		om.lockLost = lockLost.WithLabelValues(op)
+		m[op] = om
 	}
 	return m
 }()
 
-// resultCounters holds the counter of every result that enforcing mode
-// gives: each is a series from the start, at 0, so that rate() and
-// alerts work before the first occurrence, and counting one is a map
-// lookup.
-var resultCounters = func() map[string]prometheus.Counter {
+// handlerMetrics is what a handler counts its requests with: the name of
+// its HTTP server, and that server's counters by result.
+type handlerMetrics struct {
+	server  string
+	results map[string]prometheus.Counter
+}
+
+// resultCounters returns the counter of every result that enforcing mode
+// gives on the named server: each is a series from the start, at 0, so
+// that rate() and alerts work before the first occurrence, and counting
+// one is a map lookup.
+func resultCounters(server string) map[string]prometheus.Counter {
 	m := make(map[string]prometheus.Counter)
 	for _, r := range []string{resultExecuted, resultReplayed, resultMismatch, resultInProgress,
 		resultRejected, resultReleased, resultStoreError, resultNoKey, resultFailOpen} {
-		m[r] = requestsTotal.WithLabelValues(r)
+		m[r] = requestsTotal.WithLabelValues(server, r)
 	}
 	return m
-}()
+}
+
+// serverName is the name of the HTTP server whose routes ctx provisions,
+// or Caddy's own placeholder for none.
+func serverName(ctx caddy.Context) string {
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && srv.Name() != "" {
+		return srv.Name()
+	}
+	return "UNKNOWN"
+}
 
 // provisionMetrics registers the collectors in the config's registry,
 // which the admin endpoint's /metrics and the metrics handler serve, and
 // instruments the store.
 func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, prunedRecords, replayAge} {
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, replayAge} {
 		// Several handlers in one config register the same collectors.
 		if err := reg.Register(c); err != nil && !errors.As(err, new(prometheus.AlreadyRegisteredError)) {
 			return err
 		}
 	}
 	h.store = instrumentedStore{h.store}
+	server := serverName(ctx)
+	h.metrics = handlerMetrics{server: server, results: resultCounters(server)}
 	return nil
 }
 
 // countResult counts a protected request once it is done, by its final
 // result: an execution can still turn into a release.
-func countResult(repl *caddy.Replacer) {
+func (h *Handler) countResult(repl *caddy.Replacer) {
 	result, ok := repl.GetString("http.idempotency.result")
 	if !ok || result == "" {
 		return
 	}
-	if c, ok := resultCounters[result]; ok {
+	if c, ok := h.metrics.results[result]; ok {
 		c.Inc()
 		return
 	}
 	// Shadow mode's results, a bounded set too.
-	requestsTotal.WithLabelValues(result).Inc()
+	requestsTotal.WithLabelValues(h.metrics.server, result).Inc()
 }
 
 // instrumentedStore times each round trip of the store it wraps and
-// counts what the handler does not see: takeovers and pruned records. It
-// adds no round trip.
+// counts takeovers, lost locks and pruned records. It adds no round trip.
 type instrumentedStore struct{ Store }
 
 // observe records one round trip. An error is a store failure unless
 // the caller gave up (a client that left, a config that unloaded) or
-// lost its lock; a store that timed out has failed.
+// lost its lock; a store that timed out has failed. Every lost lock the
+// store reports is one idempotency.lock_lost line of the handler.
 func observe(ctx context.Context, op string, start time.Time, err error) {
 	m := storeOps[op]
 	m.duration.Observe(time.Since(start).Seconds())
-	if err != nil && !errors.Is(err, ErrLockLost) && !errors.Is(ctx.Err(), context.Canceled) {
+	switch {
+	case err == nil:
+	case errors.Is(err, ErrLockLost):
+		if m.lockLost != nil {
+			m.lockLost.Inc()
+		}
+	case !errors.Is(ctx.Err(), context.Canceled):
 		m.errors.Inc()
 	}
 }

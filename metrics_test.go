@@ -34,13 +34,15 @@ func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
 	return fams
 }
 
-// value is the counter's value, or the histogram's sample count, of the
-// series of name whose labels include the label pairs given.
+// value is the sum of the counter values, or of the histogram sample
+// counts, of the series of name whose labels include the label pairs
+// given.
 func (m metricsSnapshot) value(name string, labelPairs ...string) float64 {
 	fam, ok := m[name]
 	if !ok {
 		return 0
 	}
+	var sum float64
 series:
 	for _, metric := range fam.GetMetric() {
 		for i := 0; i+1 < len(labelPairs); i += 2 {
@@ -55,17 +57,18 @@ series:
 			}
 		}
 		if h := metric.GetHistogram(); h != nil {
-			return float64(h.GetSampleCount())
+			sum += float64(h.GetSampleCount())
+		} else {
+			sum += metric.GetCounter().GetValue()
 		}
-		return metric.GetCounter().GetValue()
 	}
-	return 0
+	return sum
 }
 
 // The metrics count what happened, through Caddy's admin endpoint: each
 // request once by its final result, each store round trip (and no cache
-// hit) in the latency histogram, takeovers, pruned records and replay
-// ages; and no series carries a key or a credential.
+// hit) in the latency histogram, takeovers, lost locks, pruned records
+// and replay ages; and no series carries a key or a credential.
 func TestMetricsCount(t *testing.T) {
 	sb := postgresBackend(t)
 	up := newUpstream(t)
@@ -106,6 +109,8 @@ http://127.0.0.1:%d {
 	ch := runBackground(t, pg, c2)
 	up.WaitStarted(t, 2)
 	wantProblem(t, pg.Do(t, call{Key: c2.Key, Body: c2.Body}), http.StatusConflict)
+	// As if a retry had taken the lock over: c2's completion finds it lost.
+	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET lock_token = $1 WHERE key = $2`, bytes.Repeat([]byte{0xad}, 16), c2.Key)
 	<-ch
 
 	c3 := call{Key: newKey(), Body: payBody()}
@@ -151,6 +156,8 @@ http://127.0.0.1:%d {
 		{"caddy_idempotency_requests_total", []string{"result", "released"}, 1},
 		{"caddy_idempotency_requests_total", []string{"result", "store_error"}, 1},
 		{"caddy_idempotency_lock_takeovers_total", nil, 1},
+		{"caddy_idempotency_lock_lost_total", []string{"operation", "complete"}, 1},
+		{"caddy_idempotency_lock_lost_total", []string{"operation", "renew"}, 0},
 		{"caddy_idempotency_pruned_records_total", nil, 3},
 		{"caddy_idempotency_replay_age_seconds", nil, 2},
 		// Acquire: c1 ×4, c2 ×2, c3 ×2, the undialable and the unreachable store.
@@ -174,8 +181,17 @@ http://127.0.0.1:%d {
 		}
 		for _, metric := range fam.GetMetric() {
 			for _, lp := range metric.GetLabel() {
-				if lp.GetName() != "result" && lp.GetName() != "operation" {
-					t.Errorf("%s has a label %s=%q: only result and operation are bounded", name, lp.GetName(), lp.GetValue())
+				switch lp.GetName() {
+				case "result", "operation":
+				case "server":
+					// The config's server names, never the Host header
+					// (UNKNOWN: the handlers that unit tests provision
+					// outside any server).
+					if !strings.HasPrefix(lp.GetValue(), "srv") && lp.GetValue() != "UNKNOWN" {
+						t.Errorf("%s has a label server=%q, not a server of the config", name, lp.GetValue())
+					}
+				default:
+					t.Errorf("%s has a label %s=%q: only server, result and operation are bounded", name, lp.GetName(), lp.GetValue())
 				}
 			}
 		}

@@ -171,6 +171,7 @@ type Handler struct {
 	excluded  map[string]struct{}
 	logger    *zap.Logger
 	retrySecs int
+	metrics   handlerMetrics
 	// executing counts the requests that may own a record, from before
 	// their acquire is sent to their completion or release: the store
 	// keeps its connections for them when a reload unloads this handler
@@ -398,7 +399,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// Both placeholders are set on every protected request, so that an
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
-	defer countResult(repl)
+	defer h.countResult(repl)
 	if h.Shadow {
 		return h.serveShadow(w, r, repl, next)
 	}
@@ -590,6 +591,7 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	}
 	resp := rec.Response
 	if !resp.Replayable {
+		notReplayable.Inc()
 		h.logger.Info("idempotency.not_replayable", fields(
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
 		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
