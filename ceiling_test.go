@@ -153,7 +153,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 				if acq.Outcome != OutcomeCreated {
 					return fmt.Errorf("acquire: outcome %d, want created", acq.Outcome)
 				}
-				return s.Complete(ctx, req.Key, req.Token, resp)
+				return s.Complete(ctx, req.Key, req.Token, resp, req.Retention)
 			}, nil
 		})
 	case "lookup":

@@ -100,7 +100,7 @@ func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 }
 
 // Complete implements Store.
-func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -109,6 +109,10 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		rec.Status = StatusCompleted
 		rec.response = packed
+		// Later than the expiry it replaces (that of the record's
+		// acquire or last renewal, both before now), so earliest stays
+		// a lower bound.
+		rec.ExpiresAt = m.records.now().Add(retention)
 	})
 	if err == nil {
 		m.records.waits.wake(key)
@@ -145,7 +149,13 @@ func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken)
 		return err
 	}
 	return m.records.owned(key, token, func(rec *memoryRecord) {
-		rec.LockedAt = m.records.now()
+		now := m.records.now()
+		rec.LockedAt, rec.LockedUntil = now, now.Add(rec.lease)
+		// The record must outlive its lease; a later expiry keeps
+		// earliest a lower bound.
+		if rec.ExpiresAt.Before(rec.LockedUntil) {
+			rec.ExpiresAt = rec.LockedUntil
+		}
 	})
 }
 
@@ -230,7 +240,10 @@ type memoryRecords struct {
 // is always nil, the completed response being kept packed instead.
 type memoryRecord struct {
 	Record
-	token    LockToken
+	token LockToken
+	// lease is the lock timeout of the record's owner: each renewal
+	// extends LockedUntil to now plus lease.
+	lease    time.Duration
 	response packedResponse
 }
 
@@ -243,6 +256,8 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	defer s.mu.Unlock()
 	now := s.now()
 	rec, ok := s.m[req.Key]
+	// An in_progress record outlives its lease (Renew), so a live lease
+	// is never expired.
 	if ok && !now.Before(rec.ExpiresAt) {
 		delete(s.m, req.Key)
 		ok = false
@@ -254,14 +269,15 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		if len(s.m) >= s.maxEntries {
 			return AcquireResult{}, packedResponse{}, ErrStoreFull
 		}
-		rec = &memoryRecord{token: req.Token, Record: Record{
+		rec = &memoryRecord{token: req.Token, lease: req.LockTimeout, Record: Record{
 			Status:      StatusInProgress,
 			Fingerprint: req.Fingerprint,
 			Method:      req.Method,
 			Path:        req.Path,
 			CreatedAt:   now,
-			ExpiresAt:   now.Add(req.Retention),
+			ExpiresAt:   now.Add(max(req.Retention, req.LockTimeout)),
 			LockedAt:    now,
+			LockedUntil: now.Add(req.LockTimeout),
 		}}
 		s.m[req.Key] = rec
 		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
@@ -271,14 +287,18 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	}
 	// Only the same request may take over a stale lock: a different one
 	// under the same key must get its mismatch, not run in place of a
-	// request that may have executed.
-	if rec.Status == StatusInProgress && now.Sub(rec.LockedAt) > req.LockTimeout && rec.Fingerprint == req.Fingerprint {
+	// request that may have executed. The lease is the record's, set by
+	// its owner's lock timeout, not the retrier's.
+	if rec.Status == StatusInProgress && now.After(rec.LockedUntil) && rec.Fingerprint == req.Fingerprint {
 		// A fresh retention, as the Postgres store gives: a record that
 		// expired under its new owner would let yet another request run.
-		rec.token, rec.LockedAt, rec.ExpiresAt = req.Token, now, now.Add(req.Retention)
+		rec.token, rec.lease = req.Token, req.LockTimeout
+		rec.LockedAt, rec.LockedUntil = now, now.Add(req.LockTimeout)
+		rec.ExpiresAt = now.Add(max(req.Retention, req.LockTimeout))
 		return AcquireResult{Outcome: OutcomeTakenOver}, packedResponse{}, nil
 	}
 	snapshot := rec.Record
+	snapshot.TTL = rec.ExpiresAt.Sub(now)
 	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, rec.response, nil
 }
 

@@ -2,11 +2,9 @@ package idempotency
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"runtime"
 	"strconv"
 	"sync/atomic"
@@ -258,9 +256,25 @@ type postgresSQL struct {
 }
 
 // recordColumns are the columns of a record, in the order that acquire's
-// and the lookup's rows give them.
+// and the lookup's rows give them. The headers are in
+// response_header_bytes, or as JSON in response_headers on records that
+// were completed before migration 0002. The last column is the record's
+// remaining lifetime in microseconds, measured by the database, which
+// the replay cache relies on instead of comparing clocks.
 const recordColumns = `status, fingerprint, method, path, created_at, expires_at,
-	locked_at, response_status, response_headers, response_body, replayable, response_size`
+	locked_at, locked_until, response_status,
+	COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8')) AS headers,
+	response_body, replayable, response_size,
+	(extract(epoch FROM expires_at - now()) * 1000000)::bigint AS ttl_us`
+
+// recordColumnNames names recordColumns in a row that gives them.
+const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
+	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
+
+// leaseEnd is when the lease of the in-progress row r ends: locked_until,
+// or for rows written before migration 0002, locked_at plus the lock
+// timeout of the request that asks ($8).
+const leaseEnd = `COALESCE(r.locked_until, r.locked_at + $8::interval)`
 
 func newPostgresSQL(table string) postgresSQL {
 	// The row is found through the primary key alone, and only then
@@ -284,10 +298,15 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// caller wins. Whoever claims nothing reads the existing row
 		// instead, in the same statement.
 		//
+		// The lease is the record's: its owner sets locked_until from
+		// its own lock timeout, and a takeover waits for it whatever the
+		// retrier's timeout. An in_progress record whose lease is live
+		// is never expired: renewals keep expires_at at or after
+		// locked_until, and the expiry test also checks the lease, for
+		// rows written before migration 0002.
+		//
 		// A takeover keeps created_at (it is the same request, retried),
-		// which is how the result tells a takeover from a creation; it
-		// restarts expires_at so that the record cannot expire under its
-		// new owner.
+		// which is how the result tells a takeover from a creation.
 		//
 		// A live completed record, the common case of a retry, is
 		// immutable until it expires: the statement first reads it (the
@@ -302,8 +321,9 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 %[5]s
 ), claimed AS (
 	INSERT INTO %[1]s AS r (credential_hash, key, fingerprint, method, path, status,
-		lock_token, locked_at, created_at, expires_at)
-	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now(), now() + $7::interval
+		lock_token, locked_at, locked_until, created_at, expires_at)
+	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now() + $8::interval, now(),
+		now() + GREATEST($7::interval, $8::interval)
 	WHERE NOT EXISTS (SELECT FROM live)
 	ON CONFLICT (credential_hash, key) DO UPDATE SET
 		fingerprint = excluded.fingerprint,
@@ -312,35 +332,41 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		status = 'in_progress',
 		lock_token = excluded.lock_token,
 		locked_at = excluded.locked_at,
+		locked_until = excluded.locked_until,
 		created_at = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
 		expires_at = excluded.expires_at,
 		response_status = NULL,
 		response_headers = NULL,
+		response_header_bytes = NULL,
 		response_body = NULL,
 		replayable = NULL,
 		response_size = NULL
-	WHERE r.expires_at <= now()
+	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[7]s <= now()))
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
-			AND r.locked_at < now() - $8::interval)
+			AND %[7]s < now())
 	RETURNING created_at = now() AS fresh, %[6]s
 )
 SELECT %[4]d, * FROM live
 UNION ALL
-SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[6]s
+SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[8]s
 FROM claimed
 UNION ALL
 SELECT %[4]d, %[6]s
 FROM %[1]s
 WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns),
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns, leaseEnd, recordColumnNames),
 
+		// The retention ($9) counts from the completion: a request that
+		// ran long keeps its record as long as a quick one.
 		complete: fmt.Sprintf(`UPDATE %s SET
 	status = 'completed',
 	lock_token = NULL,
 	locked_at = NULL,
+	locked_until = NULL,
+	expires_at = now() + $9::interval,
 	response_status = $4,
-	response_headers = $5,
+	response_header_bytes = $5,
 	response_body = $6,
 	replayable = $7,
 	response_size = $8
@@ -349,16 +375,23 @@ WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_pro
 		release: fmt.Sprintf(`DELETE FROM %s
 WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
 
-		renew: fmt.Sprintf(`UPDATE %s SET locked_at = now()
+		// The lease keeps the length its owner gave it at acquire; the
+		// record must outlive it.
+		renew: fmt.Sprintf(`UPDATE %s SET
+	locked_at = now(),
+	locked_until = now() + (locked_until - locked_at),
+	expires_at = GREATEST(expires_at, now() + (locked_until - locked_at))
 WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
 
 		// ctid lets the batch be picked through the expires_at index and
-		// deleted without a second lookup. The outer expires_at test is
-		// rechecked on the latest row version, so a record that Acquire
-		// revived meanwhile survives.
+		// deleted without a second lookup. The outer tests are rechecked
+		// on the latest row version, so a record that Acquire revived
+		// meanwhile survives. A live lease keeps a record whatever its
+		// expiry (only rows written before migration 0002 can have one
+		// past it).
 		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
 WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1))
-	AND expires_at <= now()`, table),
+	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
 	}
 }
 
@@ -408,17 +441,19 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 		status      string
 		fingerprint []byte
 		lockedAt    *time.Time
+		lockedUntil *time.Time
 		respStatus  *int32
 		respHeaders []byte
 		respBody    []byte
 		replayable  *bool
 		respSize    *int64
+		ttl         int64
 	)
 	err := s.pool.QueryRow(ctx, s.sql.acquire,
 		req.Key.CredentialHash[:], req.Key.Key, req.Fingerprint[:], req.Method, req.Path,
 		req.Token[:], req.Retention, req.LockTimeout,
 	).Scan(&outcome, &status, &fingerprint, &rec.Method, &rec.Path, &rec.CreatedAt, &rec.ExpiresAt,
-		&lockedAt, &respStatus, &respHeaders, &respBody, &replayable, &respSize)
+		&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl)
 	if err != nil {
 		return AcquireResult{}, err
 	}
@@ -432,6 +467,10 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 	if lockedAt != nil {
 		rec.LockedAt = lockedAt.UTC()
 	}
+	if lockedUntil != nil {
+		rec.LockedUntil = lockedUntil.UTC()
+	}
+	rec.TTL = time.Duration(ttl) * time.Microsecond
 	if rec.Status == StatusCompleted {
 		resp := &Response{Body: respBody}
 		if respStatus != nil {
@@ -444,7 +483,7 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 			resp.BodySize = *respSize
 		}
 		var err error
-		if resp.Header, err = decodeHeaderJSON(respHeaders); err != nil {
+		if resp.Header, err = decodeHeaders(respHeaders); err != nil {
 			return AcquireResult{}, fmt.Errorf("decoding stored response headers: %w", err)
 		}
 		rec.Response = resp
@@ -453,15 +492,7 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 }
 
 // Complete implements Store.
-func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
-	header := resp.Header
-	if header == nil {
-		header = http.Header{}
-	}
-	headers, err := json.Marshal(header)
-	if err != nil {
-		return fmt.Errorf("postgres store: complete: encoding headers: %w", err)
-	}
+func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	// NULL marks a body that was not kept; an empty body is kept as ''.
 	var body []byte
 	if resp.Replayable {
@@ -470,8 +501,28 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 			body = []byte{}
 		}
 	}
-	return s.execOwned(ctx, opComplete, s.sql.complete, key, token,
-		resp.Status, headers, body, resp.Replayable, resp.BodySize)
+	err := s.execOwned(ctx, opComplete, s.sql.complete, key, token,
+		resp.Status, encodeHeaders(resp.Header), body, resp.Replayable, resp.BodySize, retention)
+	if permanentError(err) {
+		return fmt.Errorf("%w: %w", ErrUnstorable, err)
+	}
+	return err
+}
+
+// permanentError reports whether err is the database refusing the
+// statement's data, which no retry changes: a data exception (class 22),
+// an integrity constraint violation (23) or a program limit exceeded
+// (54), such as a value too large.
+func permanentError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code[:min(2, len(pgErr.Code))] {
+	case "22", "23", "54":
+		return true
+	}
+	return false
 }
 
 // Release implements Store.
@@ -544,6 +595,10 @@ func (s *PostgresStore) prune(ctx context.Context, batchSize int) (total int64, 
 		return 0, false, nil
 	}
 	defer unlockPrune(conn, lockKey)
+	// With migrate off, nothing else has looked at the table.
+	if err := checkTable(ctx, conn, s.table); err != nil {
+		return 0, true, fmt.Errorf("postgres store: prune: %w", err)
+	}
 
 	for {
 		start := time.Now()
