@@ -189,7 +189,9 @@ func TestMemoryTokenChecks(t *testing.T) {
 		name string
 		op   func(s Store, key RecordKey, token LockToken) error
 	}{
-		{"Complete", func(s Store, key RecordKey, token LockToken) error { return s.Complete(ctx, key, token, resp, time.Hour) }},
+		{"Complete", func(s Store, key RecordKey, token LockToken) error {
+			return s.Complete(ctx, key, token, resp, time.Hour)
+		}},
 		{"Release", func(s Store, key RecordKey, token LockToken) error { return s.Release(ctx, key, token) }},
 		{"Renew", func(s Store, key RecordKey, token LockToken) error { return s.Renew(ctx, key, token) }},
 	} {
