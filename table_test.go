@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -56,4 +57,39 @@ func TestPostgresRefusesForeignTable(t *testing.T) {
 	res := runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "prune", "--table", table)
 	wantCLI(t, res, exitError, table, "not a table of idempotency records")
 	untouched()
+}
+
+// The replay cache never outlives the record as the database measures
+// its lifetime, whatever the local clock says: here the local clock is
+// 10s behind the database's, and the record has 2s left.
+func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 2)
+	ctx := context.Background()
+	req := testAcquireRequest("cred", "clock-key", "body")
+	req.Retention = 10 * time.Second
+	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire: %+v, %v", res, err)
+	}
+	if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Body: []byte("x"), Replayable: true, BodySize: 1}, req.Retention); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() + interval '2 seconds'")
+
+	c := newReplayCache(s, 1<<20)
+	c.now = func() time.Time { return time.Now().Add(-10 * time.Second) }
+	start := time.Now()
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeExisting {
+		t.Fatalf("acquire: %+v, %v", res, err)
+	}
+	if c.get(req.Key, c.now()) == nil {
+		t.Fatal("the completed record was not cached")
+	}
+	time.Sleep(time.Until(start.Add(2 * time.Second)))
+	if rec := c.get(req.Key, c.now()); rec != nil {
+		t.Fatalf("served from the cache after the record expired in the database")
+	}
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire after expiry: %+v, %v; want the key free again", res, err)
+	}
 }
