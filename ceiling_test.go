@@ -216,15 +216,16 @@ func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
 		status, method, path  string
 		fingerprint           []byte
 		createdAt, expiresAt  time.Time
-		lockedAt              *time.Time
+		lockedAt, lockedUntil *time.Time
 		respStatus            *int32
 		respHeaders, respBody []byte
 		replayable            *bool
 		respSize              *int64
+		ttl                   int64
 	)
 	err := s.pool.QueryRow(ctx, s.sql.lookup, key.CredentialHash[:], key.Key).Scan(
 		&status, &fingerprint, &method, &path, &createdAt, &expiresAt,
-		&lockedAt, &respStatus, &respHeaders, &respBody, &replayable, &respSize)
+		&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl)
 	if err != nil {
 		return fmt.Errorf("lookup %s: %w", key.Key, err)
 	}
