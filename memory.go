@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -114,6 +115,9 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 		// a lower bound.
 		rec.ExpiresAt = m.records.now().Add(retention)
 	})
+	if errors.Is(err, ErrLockLost) && m.records.completedBy(key, token) {
+		return nil
+	}
 	if err == nil {
 		m.records.waits.wake(key)
 	}
@@ -128,6 +132,9 @@ func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToke
 	err := m.records.owned(key, token, func(*memoryRecord) {
 		delete(m.records.m, key)
 	})
+	if errors.Is(err, ErrLockLost) && m.records.gone(key) {
+		return nil
+	}
 	if err == nil {
 		m.records.waits.wake(key)
 	}
@@ -256,6 +263,10 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	defer s.mu.Unlock()
 	now := s.now()
 	rec, ok := s.m[req.Key]
+	if ok && rec.token == req.Token && rec.Status == StatusInProgress {
+		// The Store contract: an earlier attempt of this acquire.
+		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
+	}
 	// An in_progress record outlives its lease (Renew), so a live lease
 	// is never expired.
 	if ok && !now.Before(rec.ExpiresAt) {
@@ -313,6 +324,22 @@ func (s *memoryRecords) owned(key RecordKey, token LockToken, f func(*memoryReco
 	}
 	f(rec)
 	return nil
+}
+
+// completedBy reports whether token completed the record of key.
+func (s *memoryRecords) completedBy(key RecordKey, token LockToken) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.m[key]
+	return ok && rec.token == token && rec.Status == StatusCompleted
+}
+
+// gone reports whether key has no record.
+func (s *memoryRecords) gone(key RecordKey) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.m[key]
+	return !ok
 }
 
 // dropExpired deletes up to limit (all if limit <= 0) expired records and

@@ -203,28 +203,24 @@ func TestMemoryTokenChecks(t *testing.T) {
 			if err := tc.op(s, owner.Key, newLockToken()); !errors.Is(err, ErrLockLost) {
 				t.Fatalf("wrong token: %v, want ErrLockLost", err)
 			}
+			// A missing record is released, by the Store contract (an
+			// earlier attempt, whose reply was lost, released it).
 			missing := owner.Key
 			missing.Key = "missing-key"
-			if err := tc.op(s, missing, owner.Token); !errors.Is(err, ErrLockLost) {
+			if err := tc.op(s, missing, owner.Token); tc.name != "Release" && !errors.Is(err, ErrLockLost) {
 				t.Fatalf("missing record: %v, want ErrLockLost", err)
 			}
 			otherTenant := owner.Key
 			otherTenant.CredentialHash = [32]byte{9}
-			if err := tc.op(s, otherTenant, owner.Token); !errors.Is(err, ErrLockLost) {
+			if err := tc.op(s, otherTenant, owner.Token); tc.name != "Release" && !errors.Is(err, ErrLockLost) {
 				t.Fatalf("other credential: %v, want ErrLockLost", err)
 			}
 			if err := tc.op(s, owner.Key, owner.Token); err != nil {
 				t.Fatalf("owner: %v", err)
 			}
-			// The record is no longer in progress and owned: completed,
-			// released, or (Renew) still owned.
-			err := tc.op(s, owner.Key, owner.Token)
-			if tc.name == "Renew" {
-				if err != nil {
-					t.Fatalf("second Renew: %v", err)
-				}
-			} else if !errors.Is(err, ErrLockLost) {
-				t.Fatalf("second %s: %v, want ErrLockLost", tc.name, err)
+			// Repeated (its reply was lost), the call finds it done.
+			if err := tc.op(s, owner.Key, owner.Token); err != nil {
+				t.Fatalf("second %s: %v", tc.name, err)
 			}
 		})
 	}

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -250,6 +252,9 @@ func (s *PostgresStore) keepPoolWhile(busy func() bool, drainMax time.Duration) 
 // Provision, because the table name cannot be a query parameter.
 type postgresSQL struct {
 	acquire, complete, release, renew, pruneBatch string
+	// completedBy and gone tell, after a completion or a release that
+	// changed no row, whether an earlier attempt of the same call did.
+	completedBy, gone string
 	// lookup reads the live completed record of a key: the one
 	// primary-key lookup that a replay needs. acquire starts with it.
 	lookup string
@@ -316,15 +321,23 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// arbitration on the latest row version is what makes a key
 		// execute once.
 		//
+		// A record in progress under the caller's own token was created
+		// by an earlier attempt of this very acquire, whose reply was
+		// lost: it is the caller's, as created.
+		//
 		// $7 and $8 are the retention and the lock timeout.
 		acquire: fmt.Sprintf(`WITH live AS (
 %[5]s
+), mine AS (
+	SELECT %[6]s
+	FROM (SELECT * FROM %[1]s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
+	WHERE status = 'in_progress' AND lock_token = $6
 ), claimed AS (
 	INSERT INTO %[1]s AS r (credential_hash, key, fingerprint, method, path, status,
 		lock_token, locked_at, locked_until, created_at, expires_at)
 	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now() + $8::interval, now(),
 		now() + GREATEST($7::interval, $8::interval)
-	WHERE NOT EXISTS (SELECT FROM live)
+	WHERE NOT EXISTS (SELECT FROM live) AND NOT EXISTS (SELECT FROM mine)
 	ON CONFLICT (credential_hash, key) DO UPDATE SET
 		fingerprint = excluded.fingerprint,
 		method = excluded.method,
@@ -340,7 +353,8 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		response_header_bytes = NULL,
 		response_body = NULL,
 		replayable = NULL,
-		response_size = NULL
+		response_size = NULL,
+		completed_token = NULL
 	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[7]s <= now()))
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
@@ -349,12 +363,15 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 )
 SELECT %[4]d, * FROM live
 UNION ALL
+SELECT %[2]d, * FROM mine
+UNION ALL
 SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[8]s
 FROM claimed
 UNION ALL
 SELECT %[4]d, %[6]s
 FROM %[1]s
-WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)`,
+WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)
+	AND NOT EXISTS (SELECT FROM mine)`,
 			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns, leaseEnd, recordColumnNames),
 
 		// The retention ($9) counts from the completion: a request that
@@ -364,6 +381,7 @@ WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND
 	lock_token = NULL,
 	locked_at = NULL,
 	locked_until = NULL,
+	completed_token = $3,
 	expires_at = now() + $9::interval,
 	response_status = $4,
 	response_header_bytes = $5,
@@ -374,6 +392,11 @@ WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_pro
 
 		release: fmt.Sprintf(`DELETE FROM %s
 WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
+
+		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
+WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
+
+		gone: fmt.Sprintf(`SELECT NOT EXISTS (SELECT FROM %s WHERE credential_hash = $1 AND key = $2)`, table),
 
 		// The lease keeps the length its owner gave it at acquire; the
 		// record must outlive it.
@@ -420,18 +443,54 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 	case <-ctx.Done():
 		return AcquireResult{}, fmt.Errorf("postgres store: acquire: waiting for a connection: %w", ctx.Err())
 	}
-	for range acquireAttempts {
+	contended, start := 0, time.Now()
+	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
 		res, err := s.acquireOnce(ctx, req)
-		if errors.Is(err, pgx.ErrNoRows) {
-			continue
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			if contended++; contended < acquireAttempts {
+				continue
+			}
+			return AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
+		case err == nil:
+			return res, nil
 		}
-		if err != nil {
-			s.dropDeadConns(err)
+		s.dropDeadConns(err)
+		// A statement whose connection failed may have committed all
+		// the same: the record would then be locked by a request that
+		// never learned it, and every retry get 409 until the lock ran
+		// out. Trying again with the same token either finds that
+		// record, the caller's, or does what the first attempt did not.
+		// It is tried again while the database can be reached, within
+		// the store timeout: a database that refuses connections is
+		// down, and the request fails at once, as it would have.
+		var connectErr *pgconn.ConnectError
+		if !connectionLost(err) || errors.As(err, &connectErr) || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
-		return res, nil
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
+		}
 	}
-	return AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
+}
+
+// connectionLost reports whether err is the loss of the connection (or a
+// failure to get one), after which a statement's effect is unknown, or
+// certainly absent, rather than the database's answer to it.
+func connectionLost(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// 08: connection exception; FATAL: the server ended the session
+		// (57P01, pg_terminate_backend, among others).
+		return pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08")
+	}
+	var netErr net.Error
+	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		(errors.As(err, &netErr) && !netErr.Timeout())
 }
 
 func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
@@ -506,7 +565,26 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 	if permanentError(err) {
 		return fmt.Errorf("%w: %w", ErrUnstorable, err)
 	}
+	if errors.Is(err, ErrLockLost) {
+		// An earlier attempt whose reply was lost may have completed it.
+		return s.afterLockLost(ctx, opComplete, s.sql.completedBy, key.CredentialHash[:], key.Key, token[:])
+	}
 	return err
+}
+
+// afterLockLost runs check, a query that tells whether an earlier
+// attempt of the same call took effect, after a statement found no
+// record of the caller's: nil if it did, ErrLockLost if not.
+func (s *PostgresStore) afterLockLost(ctx context.Context, op, check string, args ...any) error {
+	var done bool
+	if err := s.pool.QueryRow(ctx, check, args...).Scan(&done); err != nil {
+		s.dropDeadConns(err)
+		return fmt.Errorf("postgres store: %s: %w", op, err)
+	}
+	if done {
+		return nil
+	}
+	return ErrLockLost
 }
 
 // permanentError reports whether err is the database refusing the
@@ -526,8 +604,14 @@ func permanentError(err error) bool {
 }
 
 // Release implements Store.
+// A record that is gone is released: by an earlier attempt whose reply
+// was lost, or by an operator; either way the key is free.
 func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
-	return s.execOwned(ctx, opRelease, s.sql.release, key, token)
+	err := s.execOwned(ctx, opRelease, s.sql.release, key, token)
+	if errors.Is(err, ErrLockLost) {
+		return s.afterLockLost(ctx, opRelease, s.sql.gone, key.CredentialHash[:], key.Key)
+	}
+	return err
 }
 
 // Renew implements Store.

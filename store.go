@@ -25,19 +25,23 @@ type Store interface {
 	// whose fingerprint is req's (the same request, retried) is taken
 	// over by exactly one caller (a compare-and-swap), which then owns
 	// it with a lease of its own; a different request never takes over,
-	// since the dead owner may have executed.
+	// since the dead owner may have executed. A record in progress
+	// under req.Token is the caller's own, from an earlier attempt whose
+	// reply was lost: OutcomeCreated.
 	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
 
 	// Complete stores resp on the record owned by token, marks it
 	// completed and makes it expire retention from now. It returns
 	// ErrLockLost if the caller no longer owns the record (another
 	// request took it over), and an error wrapping ErrUnstorable if the
-	// store can never take resp.
+	// store can never take resp. Repeated by the token that completed
+	// the record (its reply was lost), it returns nil.
 	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error
 
 	// Release deletes the in_progress record owned by token, so that a
-	// retry executes. It returns ErrLockLost if the caller no longer owns
-	// the record.
+	// retry executes. It returns ErrLockLost if the record is another's
+	// or completed; a record that is gone (an earlier attempt deleted
+	// it) counts as released.
 	Release(ctx context.Context, key RecordKey, token LockToken) error
 
 	// Renew extends the lease of the record owned by token to now plus
