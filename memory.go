@@ -263,10 +263,6 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	defer s.mu.Unlock()
 	now := s.now()
 	rec, ok := s.m[req.Key]
-	if ok && rec.token == req.Token && rec.Status == StatusInProgress {
-		// The Store contract: an earlier attempt of this acquire.
-		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
-	}
 	// An in_progress record outlives its lease (Renew), so a live lease
 	// is never expired.
 	if ok && !now.Before(rec.ExpiresAt) {
@@ -294,6 +290,10 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
 			s.earliest = rec.ExpiresAt
 		}
+		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
+	}
+	if rec.token == req.Token && rec.Status == StatusInProgress && now.Before(rec.LockedUntil) {
+		// The Store contract: an earlier attempt of this acquire.
 		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
 	}
 	// Only the same request may take over a stale lock: a different one

@@ -321,9 +321,9 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// arbitration on the latest row version is what makes a key
 		// execute once.
 		//
-		// A record in progress under the caller's own token was created
-		// by an earlier attempt of this very acquire, whose reply was
-		// lost: it is the caller's, as created.
+		// A record in progress under the caller's own token, with a live
+		// lease, was created by an earlier attempt of this very acquire,
+		// whose reply was lost: it is the caller's, as created.
 		//
 		// $7 and $8 are the retention and the lock timeout.
 		acquire: fmt.Sprintf(`WITH live AS (
@@ -331,7 +331,7 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 ), mine AS (
 	SELECT %[6]s
 	FROM (SELECT * FROM %[1]s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
-	WHERE status = 'in_progress' AND lock_token = $6
+	WHERE status = 'in_progress' AND lock_token = $6 AND locked_until > now()
 ), claimed AS (
 	INSERT INTO %[1]s AS r (credential_hash, key, fingerprint, method, path, status,
 		lock_token, locked_at, locked_until, created_at, expires_at)
@@ -603,9 +603,9 @@ func permanentError(err error) bool {
 	return false
 }
 
-// Release implements Store.
-// A record that is gone is released: by an earlier attempt whose reply
-// was lost, or by an operator; either way the key is free.
+// Release implements Store. A record that is gone counts as released:
+// an earlier attempt whose reply was lost, or an operator, deleted it;
+// either way the key is free.
 func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
 	err := s.execOwned(ctx, opRelease, s.sql.release, key, token)
 	if errors.Is(err, ErrLockLost) {

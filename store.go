@@ -26,8 +26,8 @@ type Store interface {
 	// over by exactly one caller (a compare-and-swap), which then owns
 	// it with a lease of its own; a different request never takes over,
 	// since the dead owner may have executed. A record in progress
-	// under req.Token is the caller's own, from an earlier attempt whose
-	// reply was lost: OutcomeCreated.
+	// under req.Token, with a live lease, is the caller's own, from an
+	// earlier attempt whose reply was lost: OutcomeCreated.
 	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
 
 	// Complete stores resp on the record owned by token, marks it
