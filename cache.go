@@ -25,16 +25,6 @@ const cacheMaxEntryShare = 16
 // headers and key: the entry, its map slot, the Record and Response.
 const cacheEntryOverhead = 320
 
-// cacheSkewMargin bounds how much earlier than its stored expiry an
-// entry learned from the store stops being served, as a fraction of the
-// retention (and at most cacheSkewMarginMax): the store's expiry is on
-// its own clock (Postgres's), and a replay must never be served once the
-// store would treat the record as absent.
-const (
-	cacheSkewMarginShare = 100
-	cacheSkewMarginMax   = time.Minute
-)
-
 // replayCache is a Store that keeps the most recently used completed,
 // replayable records of the store it wraps, so that a replay costs no
 // round trip. A completed record never changes until it expires (Acquire
@@ -42,7 +32,9 @@ const (
 // is as good as the store's answer, until:
 //
 //   - it expires: entries are not served past the record's expiry, which
-//     is computed conservatively, on this process's monotonic clock;
+//     is computed conservatively, on this process's monotonic clock, from
+//     lifetimes the store measured on its own clock (never by comparing
+//     the two clocks, which need not agree);
 //   - an operator deletes it (`caddy idempotency release`): this
 //     instance's cache, like every other instance's, keeps replaying it
 //     until it expires or is evicted. Releasing a completed key is for
@@ -101,9 +93,8 @@ type pendingRecord struct {
 	fingerprint [32]byte
 	method      string
 	path        string
-	// deadline is the local time of the Acquire plus the retention: the
-	// store set the expiry to its own now plus the retention, and its
-	// now came after this one.
+	// deadline is when the note is dropped if the request never
+	// completes: the local time of the Acquire plus the retention.
 	deadline time.Time
 	created  time.Time
 }
@@ -137,11 +128,10 @@ func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 	switch res.Outcome {
 	case OutcomeExisting:
 		if rec := res.Record; rec != nil && rec.Status == StatusCompleted {
-			// The store's expiry is on its clock; a margin covers the
-			// skew between the two, and the retention bounds the entry
-			// whatever the store's clock says.
-			life := min(rec.ExpiresAt.Sub(now)-skewMargin(req.Retention), req.Retention)
-			c.put(req.Key, rec, now.Add(life), now, false)
+			// The store measured the record's remaining lifetime after
+			// now, when the statement was sent: counted from now, the
+			// entry ends no later than the record.
+			c.put(req.Key, rec, now.Add(rec.TTL), now, false)
 		}
 	case OutcomeCreated:
 		// A takeover is not remembered: whether it restarted the
@@ -155,8 +145,12 @@ func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 
 // Complete implements Store, and caches the response of a record this
 // instance created.
-func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
-	err := c.Store.Complete(ctx, key, token, resp)
+func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+	// The store makes the record expire retention after its own now,
+	// which comes after this one.
+	sent := c.now()
+	deadline := sent.Add(retention)
+	err := c.Store.Complete(ctx, key, token, resp, retention)
 	if err != nil && !errors.Is(err, ErrLockLost) {
 		// The handler tries again: keep what a success will need.
 		return err
@@ -171,11 +165,11 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 		Method:      p.method,
 		Path:        p.path,
 		CreatedAt:   p.created,
-		ExpiresAt:   p.deadline,
+		ExpiresAt:   deadline,
 		Response:    resp,
 	}
 	// The caller keeps its response: the cache keeps its own copy.
-	c.put(key, rec, p.deadline, c.now(), true)
+	c.put(key, rec, deadline, c.now(), true)
 	return nil
 }
 
@@ -193,12 +187,6 @@ func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken)
 		c.forget(token)
 	}
 	return err
-}
-
-// skewMargin is how long before the store's expiry an entry learned
-// from the store stops being served.
-func skewMargin(retention time.Duration) time.Duration {
-	return min(retention/cacheSkewMarginShare, cacheSkewMarginMax)
 }
 
 // get returns a copy of the live entry of key, most recently used from

@@ -61,7 +61,7 @@ func cacheResponse(body string) *Response {
 func cacheExecute(t *testing.T, s Store, req AcquireRequest, resp *Response) {
 	t.Helper()
 	mustAcquire(t, s, req, OutcomeCreated)
-	if err := s.Complete(context.Background(), req.Key, req.Token, resp); err != nil {
+	if err := s.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
 		t.Fatalf("Complete(%q): %v", req.Key.Key, err)
 	}
 }
@@ -160,7 +160,7 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 	}
 	// Completed by its owner: the next retry is a replay, not a stale
 	// in-progress answer.
-	if err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse("done")); err != nil {
+	if err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse("done"), req.Retention); err != nil {
 		t.Fatal(err)
 	}
 	wantCacheReplay(t, c, inner, req, "done")
@@ -202,15 +202,14 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
 		wantCacheReplay(t, c, inner, req, "old")
 
-		// Just before the store's expiry minus the skew margin it is
-		// served; from there on it is not.
-		margin := skewMargin(memTestRetention)
-		localClock.advance(memTestRetention - 10*time.Second - margin - time.Millisecond)
-		storeClock.advance(memTestRetention - 10*time.Second - margin - time.Millisecond)
+		// Served until the record's expiry, as the store measures the
+		// record's lifetime; from there on it is not.
+		localClock.advance(memTestRetention - time.Millisecond)
+		storeClock.advance(memTestRetention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, store clock ahead", func(t *testing.T) {
@@ -255,7 +254,7 @@ func TestReplayCacheTenantsAreIsolated(t *testing.T) {
 	// Tenant B, same key and same request: its own execution.
 	b := cacheTenantRequest("Bearer tenant-b", "shared-key")
 	wantCacheMiss(t, c, inner, b, OutcomeCreated)
-	if err := c.Complete(context.Background(), b.Key, b.Token, cacheResponse("tenant b's")); err != nil {
+	if err := c.Complete(context.Background(), b.Key, b.Token, cacheResponse("tenant b's"), b.Retention); err != nil {
 		t.Fatal(err)
 	}
 	wantCacheReplay(t, c, inner, b, "tenant b's")
@@ -301,10 +300,10 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		storeClock.advance(memTestLockTimeout + time.Second)
 		other := retryRequest(req)
 		mustAcquire(t, inner.Store, other, OutcomeTakenOver)
-		if err := inner.Store.Complete(context.Background(), other.Key, other.Token, cacheResponse("taker's")); err != nil {
+		if err := inner.Store.Complete(context.Background(), other.Key, other.Token, cacheResponse("taker's"), other.Retention); err != nil {
 			t.Fatal(err)
 		}
-		err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse("loser's"))
+		err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse("loser's"), req.Retention)
 		if !errors.Is(err, ErrLockLost) {
 			t.Fatalf("Complete = %v, want ErrLockLost", err)
 		}
@@ -405,7 +404,7 @@ func TestReplayCacheConcurrent(t *testing.T) {
 						}
 						continue
 					}
-					if err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse(want)); err != nil {
+					if err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse(want), req.Retention); err != nil {
 						t.Error(err)
 					}
 				case OutcomeExisting:

@@ -153,7 +153,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 				if acq.Outcome != OutcomeCreated {
 					return fmt.Errorf("acquire: outcome %d, want created", acq.Outcome)
 				}
-				return s.Complete(ctx, req.Key, req.Token, resp)
+				return s.Complete(ctx, req.Key, req.Token, resp, req.Retention)
 			}, nil
 		})
 	case "lookup":
@@ -216,15 +216,16 @@ func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
 		status, method, path  string
 		fingerprint           []byte
 		createdAt, expiresAt  time.Time
-		lockedAt              *time.Time
+		lockedAt, lockedUntil *time.Time
 		respStatus            *int32
 		respHeaders, respBody []byte
 		replayable            *bool
 		respSize              *int64
+		ttl                   int64
 	)
 	err := s.pool.QueryRow(ctx, s.sql.lookup, key.CredentialHash[:], key.Key).Scan(
 		&status, &fingerprint, &method, &path, &createdAt, &expiresAt,
-		&lockedAt, &respStatus, &respHeaders, &respBody, &replayable, &respSize)
+		&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl)
 	if err != nil {
 		return fmt.Errorf("lookup %s: %w", key.Key, err)
 	}

@@ -389,7 +389,7 @@ type cliRecord struct {
 func (db *cliDB) find(ctx context.Context, t cliTarget) ([]*cliRecord, error) {
 	rows, err := db.pool.Query(ctx, `SELECT credential_hash, status, method, path, created_at, expires_at,
 	expires_at <= now(), locked_at, response_status, replayable, response_size,
-	octet_length(response_body), octet_length(response_headers::text), now()
+	octet_length(response_body), octet_length(COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8'))), now()
 FROM `+db.table.quoted()+`
 WHERE key = $1 AND credential_hash >= $2 AND ($3::bytea IS NULL OR credential_hash < $3)
 ORDER BY credential_hash

@@ -1,9 +1,89 @@
 package idempotency
 
 import (
+	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"net/http"
 )
+
+// headerFormatBinary starts the binary encoding of stored headers. JSON
+// text, which older versions stored, never starts with it, so that their
+// rows still decode.
+const headerFormatBinary = 0x01
+
+// encodeHeaders encodes h for the Postgres store: the version byte, then
+// each header as uvarint(len(name)) name uvarint(len(values)) and
+// uvarint(len(value)) value for each value. Unlike JSON, it keeps any
+// byte of a name or value: a NUL, which jsonb refuses, or bytes that are
+// not UTF-8, which JSON would turn into U+FFFD.
+func encodeHeaders(h http.Header) []byte {
+	size := 1
+	for name, values := range h {
+		size += 2*binary.MaxVarintLen32 + len(name)
+		for _, v := range values {
+			size += binary.MaxVarintLen32 + len(v)
+		}
+	}
+	b := make([]byte, 1, size)
+	b[0] = headerFormatBinary
+	for name, values := range h {
+		b = binary.AppendUvarint(b, uint64(len(name)))
+		b = append(b, name...)
+		b = binary.AppendUvarint(b, uint64(len(values)))
+		for _, v := range values {
+			b = binary.AppendUvarint(b, uint64(len(v)))
+			b = append(b, v...)
+		}
+	}
+	return b
+}
+
+var errHeaderEncoding = errors.New("malformed stored headers")
+
+// decodeHeaders decodes what encodeHeaders encoded, or the JSON that
+// older versions stored.
+func decodeHeaders(b []byte) (http.Header, error) {
+	if len(b) == 0 || b[0] != headerFormatBinary {
+		return decodeHeaderJSON(b)
+	}
+	b = b[1:]
+	// next reads a uvarint that is at most the number of bytes after it.
+	next := func() (int, bool) {
+		n, w := binary.Uvarint(b)
+		if w <= 0 || n > uint64(len(b)-w) {
+			return 0, false
+		}
+		b = b[w:]
+		return int(n), true
+	}
+	h := make(http.Header)
+	for len(b) > 0 {
+		n, ok := next()
+		if !ok {
+			return nil, errHeaderEncoding
+		}
+		name := string(b[:n])
+		b = b[n:]
+		// next bounds the count by the bytes left, as each value takes
+		// at least one: a corrupt count cannot size a huge allocation.
+		c, ok := next()
+		if !ok {
+			return nil, errHeaderEncoding
+		}
+		values := make([]string, c)
+		for i := range values {
+			n, ok := next()
+			if !ok {
+				return nil, errHeaderEncoding
+			}
+			values[i] = string(b[:n])
+			b = b[n:]
+		}
+		h[name] = values
+	}
+	return h, nil
+}
 
 // decodeHeaderJSON decodes stored response headers: a JSON object of
 // string arrays, as json.Marshal writes an http.Header and Postgres's

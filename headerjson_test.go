@@ -90,3 +90,32 @@ func BenchmarkDecodeHeaderJSON(b *testing.B) {
 		}
 	})
 }
+
+// The binary encoding keeps every byte of names and values, and refuses
+// truncated or corrupt input instead of inventing headers.
+func TestHeaderBinaryEncoding(t *testing.T) {
+	h := http.Header{
+		"X-Ref":               {"a\x00b\xff", ""},
+		"Trailer:Grpc-Status": {"0"},
+		"\x80":                {},
+	}
+	b := encodeHeaders(h)
+	if b[0] != headerFormatBinary {
+		t.Fatalf("first byte %#x", b[0])
+	}
+	got, err := decodeHeaders(b)
+	if err != nil || !reflect.DeepEqual(got, h) {
+		t.Fatalf("decoded %q, %v; want %q", got, err, h)
+	}
+	for n := 1; n < len(b); n++ {
+		if got, err := decodeHeaders(b[:n]); err == nil && len(got) == len(h) {
+			t.Errorf("truncated to %d bytes: %q, want an error or fewer headers", n, got)
+		}
+	}
+	if _, err := decodeHeaders([]byte{headerFormatBinary, 1, 'X', 0xff, 0xff, 0xff, 0xff, 0x0f}); err == nil {
+		t.Errorf("a value count beyond the input: no error")
+	}
+	if got, err := decodeHeaders([]byte(`{"X-A":["1"]}`)); err != nil || got.Get("X-A") != "1" {
+		t.Errorf("JSON of older rows: %q, %v", got, err)
+	}
+}

@@ -48,13 +48,13 @@ func (s *scriptedStore) Renew(ctx context.Context, key RecordKey, token LockToke
 	return s.Store.Renew(ctx, key, token)
 }
 
-func (s *scriptedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+func (s *scriptedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	if s.beforeComplete != nil {
 		if err := s.beforeComplete(); err != nil {
 			return err
 		}
 	}
-	return s.Store.Complete(ctx, key, token, resp)
+	return s.Store.Complete(ctx, key, token, resp, retention)
 }
 
 // lockHandler is a provisioned handler on a fresh memory store, wrapped
@@ -252,7 +252,7 @@ func TestPoolOutlivesUnloadedRequests(t *testing.T) {
 	if err := s.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Body: []byte{}, Replayable: true}); err != nil {
+	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Body: []byte{}, Replayable: true}, req.Retention); err != nil {
 		t.Fatalf("completing after the config was unloaded: %v", err)
 	}
 	if _, ok := postgresPools.References(s.poolKey); !ok {

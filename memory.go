@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -113,7 +114,7 @@ func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 }
 
 // Complete implements Store.
-func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -122,7 +123,14 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		rec.Status = StatusCompleted
 		rec.response = packed
+		// Later than the expiry it replaces (that of the record's
+		// acquire or last renewal, both before now), so earliest stays
+		// a lower bound.
+		rec.ExpiresAt = m.records.now().Add(retention)
 	})
+	if errors.Is(err, ErrLockLost) && m.records.completedBy(key, token) {
+		return nil
+	}
 	if err == nil {
 		m.records.waits.wake(key)
 	}
@@ -137,6 +145,9 @@ func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToke
 	err := m.records.owned(key, token, func(*memoryRecord) {
 		delete(m.records.m, key)
 	})
+	if errors.Is(err, ErrLockLost) && m.records.gone(key) {
+		return nil
+	}
 	if err == nil {
 		m.records.waits.wake(key)
 	}
@@ -158,7 +169,13 @@ func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken)
 		return err
 	}
 	return m.records.owned(key, token, func(rec *memoryRecord) {
-		rec.LockedAt = m.records.now()
+		now := m.records.now()
+		rec.LockedAt, rec.LockedUntil = now, now.Add(rec.lease)
+		// The record must outlive its lease; a later expiry keeps
+		// earliest a lower bound.
+		if rec.ExpiresAt.Before(rec.LockedUntil) {
+			rec.ExpiresAt = rec.LockedUntil
+		}
 	})
 }
 
@@ -243,7 +260,10 @@ type memoryRecords struct {
 // is always nil, the completed response being kept packed instead.
 type memoryRecord struct {
 	Record
-	token    LockToken
+	token LockToken
+	// lease is the lock timeout of the record's owner: each renewal
+	// extends LockedUntil to now plus lease.
+	lease    time.Duration
 	response packedResponse
 }
 
@@ -256,6 +276,8 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	defer s.mu.Unlock()
 	now := s.now()
 	rec, ok := s.m[req.Key]
+	// An in_progress record outlives its lease (Renew), so a live lease
+	// is never expired.
 	if ok && !now.Before(rec.ExpiresAt) {
 		delete(s.m, req.Key)
 		ok = false
@@ -267,14 +289,15 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		if len(s.m) >= s.maxEntries {
 			return AcquireResult{}, packedResponse{}, ErrStoreFull
 		}
-		rec = &memoryRecord{token: req.Token, Record: Record{
+		rec = &memoryRecord{token: req.Token, lease: req.LockTimeout, Record: Record{
 			Status:      StatusInProgress,
 			Fingerprint: req.Fingerprint,
 			Method:      req.Method,
 			Path:        req.Path,
 			CreatedAt:   now,
-			ExpiresAt:   now.Add(req.Retention),
+			ExpiresAt:   now.Add(max(req.Retention, req.LockTimeout)),
 			LockedAt:    now,
+			LockedUntil: now.Add(req.LockTimeout),
 		}}
 		s.m[req.Key] = rec
 		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
@@ -282,16 +305,24 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		}
 		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
 	}
+	if rec.token == req.Token && rec.Status == StatusInProgress && now.Before(rec.LockedUntil) {
+		// The Store contract: an earlier attempt of this acquire.
+		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
+	}
 	// Only the same request may take over a stale lock: a different one
 	// under the same key must get its mismatch, not run in place of a
-	// request that may have executed.
-	if rec.Status == StatusInProgress && now.Sub(rec.LockedAt) > req.LockTimeout && rec.Fingerprint == req.Fingerprint {
+	// request that may have executed. The lease is the record's, set by
+	// its owner's lock timeout, not the retrier's.
+	if rec.Status == StatusInProgress && now.After(rec.LockedUntil) && rec.Fingerprint == req.Fingerprint {
 		// A fresh retention, as the Postgres store gives: a record that
 		// expired under its new owner would let yet another request run.
-		rec.token, rec.LockedAt, rec.ExpiresAt = req.Token, now, now.Add(req.Retention)
+		rec.token, rec.lease = req.Token, req.LockTimeout
+		rec.LockedAt, rec.LockedUntil = now, now.Add(req.LockTimeout)
+		rec.ExpiresAt = now.Add(max(req.Retention, req.LockTimeout))
 		return AcquireResult{Outcome: OutcomeTakenOver}, packedResponse{}, nil
 	}
 	snapshot := rec.Record
+	snapshot.TTL = rec.ExpiresAt.Sub(now)
 	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, rec.response, nil
 }
 
@@ -306,6 +337,22 @@ func (s *memoryRecords) owned(key RecordKey, token LockToken, f func(*memoryReco
 	}
 	f(rec)
 	return nil
+}
+
+// completedBy reports whether token completed the record of key.
+func (s *memoryRecords) completedBy(key RecordKey, token LockToken) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rec, ok := s.m[key]
+	return ok && rec.token == token && rec.Status == StatusCompleted
+}
+
+// gone reports whether key has no record.
+func (s *memoryRecords) gone(key RecordKey) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.m[key]
+	return !ok
 }
 
 // dropExpired deletes up to limit (all if limit <= 0) expired records and

@@ -208,9 +208,9 @@ func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (Acq
 	return res, err
 }
 
-func (s instrumentedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
+func (s instrumentedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	start := time.Now()
-	err := s.Store.Complete(ctx, key, token, resp)
+	err := s.Store.Complete(ctx, key, token, resp, retention)
 	observe(ctx, opComplete, start, err)
 	return err
 }

@@ -115,6 +115,9 @@ func applyMigration(ctx context.Context, db TxBeginner, t tableName, m migration
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
 		return false, err
 	}
+	if err := checkTable(ctx, tx, t); err != nil {
+		return false, err
+	}
 	bookkeeping := t.sibling(migrationsTable)
 	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+bookkeeping+` (
 	table_name text NOT NULL,
@@ -163,6 +166,77 @@ func applyMigration(ctx context.Context, db TxBeginner, t tableName, m migration
 		return false, err
 	}
 	return true, tx.Commit(ctx)
+}
+
+// recordTableColumns are the columns, with their types, that migration
+// 0001 creates: a table that exists but lacks one is not a table of
+// records, and is neither migrated nor pruned.
+var recordTableColumns = map[string]string{
+	"credential_hash":  "bytea",
+	"key":              "text",
+	"fingerprint":      "bytea",
+	"method":           "text",
+	"path":             "text",
+	"status":           "text",
+	"lock_token":       "bytea",
+	"locked_at":        "timestamp with time zone",
+	"created_at":       "timestamp with time zone",
+	"expires_at":       "timestamp with time zone",
+	"response_status":  "integer",
+	"response_headers": "jsonb",
+	"response_body":    "bytea",
+	"replayable":       "boolean",
+	"response_size":    "bigint",
+}
+
+// queryRower runs a query of one row: a pool, a connection and a
+// transaction do.
+type queryRower interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// checkTable returns an error naming t if t exists but is not a table of
+// records, with their columns and primary key (credential_hash, key): a
+// table option that names an application's table by mistake must not
+// have an index added to it, nor its rows pruned.
+func checkTable(ctx context.Context, db queryRower, t tableName) error {
+	var (
+		exists  bool
+		columns map[string]string
+		pkey    []string
+	)
+	err := db.QueryRow(ctx, `SELECT c.oid IS NOT NULL,
+	(SELECT jsonb_object_agg(a.attname, format_type(a.atttypid, a.atttypmod))
+		FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+	(SELECT array_agg(a.attname::text ORDER BY k.i)
+		FROM pg_index x, unnest(x.indkey::int2[]) WITH ORDINALITY AS k(attnum, i), pg_attribute a
+		WHERE x.indrelid = c.oid AND x.indisprimary AND a.attrelid = c.oid AND a.attnum = k.attnum)
+FROM (SELECT to_regclass($1)::oid AS oid) AS c`, t.quoted()).Scan(&exists, &columns, &pkey)
+	if err != nil {
+		return fmt.Errorf("checking table %s: %w", t, err)
+	}
+	if !exists {
+		return nil
+	}
+	var missing []string
+	for name, typ := range recordTableColumns {
+		if columns[name] != typ {
+			missing = append(missing, name+" "+typ)
+		}
+	}
+	slices.Sort(missing)
+	if len(missing) > 0 || !slices.Equal(pkey, []string{"credential_hash", "key"}) {
+		return fmt.Errorf("table %s is not a table of idempotency records (columns %s, primary key (%s)); refusing to migrate or prune it: check the store's table option",
+			t, describeMissing(missing), strings.Join(pkey, ", "))
+	}
+	return nil
+}
+
+func describeMissing(missing []string) string {
+	if len(missing) == 0 {
+		return "as expected"
+	}
+	return "missing or of another type: " + strings.Join(missing, ", ")
 }
 
 // tableName is a validated table name, folded to lower case as Postgres

@@ -223,7 +223,7 @@ func TestWaiterStores(t *testing.T) {
 				otherCh := w.WaitCompleted(wctx, other.Key)
 				var err error
 				if end == "complete" {
-					err = s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2})
+					err = s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}, req.Retention)
 				} else {
 					err = s.Release(ctx, req.Key, req.Token)
 				}

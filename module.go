@@ -931,15 +931,26 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 // dated at lockedAt, cannot have been taken over: a store that lost its
 // connections (a restart, a failover) fails the first statements on
 // each of the pool's dead connections before a fresh one is dialled,
-// and a fixed few attempts can all meet one.
+// and a fixed few attempts can all meet one. A response that the store
+// can never take (ErrUnstorable) is not retried: the record is completed
+// as not replayable instead, so that a retry is refused, not executed.
 func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, lockedAt time.Time) {
 	deadline := lockedAt.Add(time.Duration(h.LockTimeout))
 	var err error
+	degraded := false
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
 		ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
-		err = h.store.Complete(ctx, rk, token, resp)
+		err = h.store.Complete(ctx, rk, token, resp, time.Duration(h.Retention))
 		cancel()
-		if err == nil || errors.Is(err, ErrLockLost) || time.Now().Add(backoff).After(deadline) {
+		if errors.Is(err, ErrUnstorable) && !degraded {
+			h.logger.Error("idempotency.unstorable_response",
+				zap.String("key", key), zap.String("credential_id", credID),
+				zap.String("method", r.Method), zap.String("path", r.URL.Path),
+				zap.Int("status", resp.Status), zap.Error(err))
+			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
+			continue
+		}
+		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
 		}
 		time.Sleep(backoff)

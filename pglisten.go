@@ -56,7 +56,7 @@ func (s *PostgresStore) EnableWaiting() {
 	s.listener = val.(*pgListener)
 	s.channel = notifyChannel(s.table)
 	s.listener.subscribe(s.channel)
-	s.sql.complete = notifying(s.sql.complete, 8)
+	s.sql.complete = notifying(s.sql.complete, 9)
 	s.sql.release = notifying(s.sql.release, 3)
 }
 

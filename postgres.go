@@ -2,13 +2,13 @@ package idempotency
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
+	"net"
 	"runtime"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -253,15 +253,34 @@ func (s *PostgresStore) keepPoolWhile(busy func() bool, drainMax time.Duration) 
 // Provision, because the table name cannot be a query parameter.
 type postgresSQL struct {
 	acquire, complete, release, renew, pruneBatch string
+	// completedBy and gone tell, after a completion or a release that
+	// changed no row, whether an earlier attempt of the same call did.
+	completedBy, gone string
 	// lookup reads the live completed record of a key: the one
 	// primary-key lookup that a replay needs. acquire starts with it.
 	lookup string
 }
 
 // recordColumns are the columns of a record, in the order that acquire's
-// and the lookup's rows give them.
+// and the lookup's rows give them. The headers are in
+// response_header_bytes, or as JSON in response_headers on records that
+// were completed before migration 0002. The last column is the record's
+// remaining lifetime in microseconds, measured by the database, which
+// the replay cache relies on instead of comparing clocks.
 const recordColumns = `status, fingerprint, method, path, created_at, expires_at,
-	locked_at, response_status, response_headers, response_body, replayable, response_size`
+	locked_at, locked_until, response_status,
+	COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8')) AS headers,
+	response_body, replayable, response_size,
+	(extract(epoch FROM expires_at - now()) * 1000000)::bigint AS ttl_us`
+
+// recordColumnNames names recordColumns in a row that gives them.
+const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
+	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
+
+// leaseEnd is when the lease of the in-progress row r ends: locked_until,
+// or for rows written before migration 0002, locked_at plus the lock
+// timeout of the request that asks ($8).
+const leaseEnd = `COALESCE(r.locked_until, r.locked_at + $8::interval)`
 
 func newPostgresSQL(table string) postgresSQL {
 	// The row is found through the primary key alone, and only then
@@ -285,10 +304,15 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// caller wins. Whoever claims nothing reads the existing row
 		// instead, in the same statement.
 		//
+		// The lease is the record's: its owner sets locked_until from
+		// its own lock timeout, and a takeover waits for it whatever the
+		// retrier's timeout. An in_progress record whose lease is live
+		// is never expired: renewals keep expires_at at or after
+		// locked_until, and the expiry test also checks the lease, for
+		// rows written before migration 0002.
+		//
 		// A takeover keeps created_at (it is the same request, retried),
-		// which is how the result tells a takeover from a creation; it
-		// restarts expires_at so that the record cannot expire under its
-		// new owner.
+		// which is how the result tells a takeover from a creation.
 		//
 		// A live completed record, the common case of a retry, is
 		// immutable until it expires: the statement first reads it (the
@@ -298,14 +322,23 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// arbitration on the latest row version is what makes a key
 		// execute once.
 		//
+		// A record in progress under the caller's own token, with a live
+		// lease, was created by an earlier attempt of this very acquire,
+		// whose reply was lost: it is the caller's, as created.
+		//
 		// $7 and $8 are the retention and the lock timeout.
 		acquire: fmt.Sprintf(`WITH live AS (
 %[5]s
+), mine AS (
+	SELECT %[6]s
+	FROM (SELECT * FROM %[1]s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
+	WHERE status = 'in_progress' AND lock_token = $6 AND locked_until > now()
 ), claimed AS (
 	INSERT INTO %[1]s AS r (credential_hash, key, fingerprint, method, path, status,
-		lock_token, locked_at, created_at, expires_at)
-	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now(), now() + $7::interval
-	WHERE NOT EXISTS (SELECT FROM live)
+		lock_token, locked_at, locked_until, created_at, expires_at)
+	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now() + $8::interval, now(),
+		now() + GREATEST($7::interval, $8::interval)
+	WHERE NOT EXISTS (SELECT FROM live) AND NOT EXISTS (SELECT FROM mine)
 	ON CONFLICT (credential_hash, key) DO UPDATE SET
 		fingerprint = excluded.fingerprint,
 		method = excluded.method,
@@ -313,35 +346,46 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		status = 'in_progress',
 		lock_token = excluded.lock_token,
 		locked_at = excluded.locked_at,
+		locked_until = excluded.locked_until,
 		created_at = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
 		expires_at = excluded.expires_at,
 		response_status = NULL,
 		response_headers = NULL,
+		response_header_bytes = NULL,
 		response_body = NULL,
 		replayable = NULL,
-		response_size = NULL
-	WHERE r.expires_at <= now()
+		response_size = NULL,
+		completed_token = NULL
+	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[7]s <= now()))
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
-			AND r.locked_at < now() - $8::interval)
+			AND %[7]s < now())
 	RETURNING created_at = now() AS fresh, %[6]s
 )
 SELECT %[4]d, * FROM live
 UNION ALL
-SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[6]s
+SELECT %[2]d, * FROM mine
+UNION ALL
+SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[8]s
 FROM claimed
 UNION ALL
 SELECT %[4]d, %[6]s
 FROM %[1]s
-WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns),
+WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)
+	AND NOT EXISTS (SELECT FROM mine)`,
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns, leaseEnd, recordColumnNames),
 
+		// The retention ($9) counts from the completion: a request that
+		// ran long keeps its record as long as a quick one.
 		complete: fmt.Sprintf(`UPDATE %s SET
 	status = 'completed',
 	lock_token = NULL,
 	locked_at = NULL,
+	locked_until = NULL,
+	completed_token = $3,
+	expires_at = now() + $9::interval,
 	response_status = $4,
-	response_headers = $5,
+	response_header_bytes = $5,
 	response_body = $6,
 	replayable = $7,
 	response_size = $8
@@ -350,16 +394,28 @@ WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_pro
 		release: fmt.Sprintf(`DELETE FROM %s
 WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
 
-		renew: fmt.Sprintf(`UPDATE %s SET locked_at = now()
+		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
+WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
+
+		gone: fmt.Sprintf(`SELECT NOT EXISTS (SELECT FROM %s WHERE credential_hash = $1 AND key = $2)`, table),
+
+		// The lease keeps the length its owner gave it at acquire; the
+		// record must outlive it.
+		renew: fmt.Sprintf(`UPDATE %s SET
+	locked_at = now(),
+	locked_until = now() + (locked_until - locked_at),
+	expires_at = GREATEST(expires_at, now() + (locked_until - locked_at))
 WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
 
 		// ctid lets the batch be picked through the expires_at index and
-		// deleted without a second lookup. The outer expires_at test is
-		// rechecked on the latest row version, so a record that Acquire
-		// revived meanwhile survives.
+		// deleted without a second lookup. The outer tests are rechecked
+		// on the latest row version, so a record that Acquire revived
+		// meanwhile survives. A live lease keeps a record whatever its
+		// expiry (only rows written before migration 0002 can have one
+		// past it).
 		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
 WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1))
-	AND expires_at <= now()`, table),
+	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
 	}
 }
 
@@ -388,18 +444,54 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 	case <-ctx.Done():
 		return AcquireResult{}, fmt.Errorf("postgres store: acquire: waiting for a connection: %w", ctx.Err())
 	}
-	for range acquireAttempts {
+	contended, start := 0, time.Now()
+	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
 		res, err := s.acquireOnce(ctx, req)
-		if errors.Is(err, pgx.ErrNoRows) {
-			continue
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			if contended++; contended < acquireAttempts {
+				continue
+			}
+			return AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
+		case err == nil:
+			return res, nil
 		}
-		if err != nil {
-			s.dropDeadConns(err)
+		s.dropDeadConns(err)
+		// A statement whose connection failed may have committed all
+		// the same: the record would then be locked by a request that
+		// never learned it, and every retry get 409 until the lock ran
+		// out. Trying again with the same token either finds that
+		// record, the caller's, or does what the first attempt did not.
+		// It is tried again while the database can be reached, within
+		// the store timeout: a database that refuses connections is
+		// down, and the request fails at once, as it would have.
+		var connectErr *pgconn.ConnectError
+		if !connectionLost(err) || errors.As(err, &connectErr) || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
-		return res, nil
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
+		}
 	}
-	return AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
+}
+
+// connectionLost reports whether err is the loss of the connection (or a
+// failure to get one), after which a statement's effect is unknown, or
+// certainly absent, rather than the database's answer to it.
+func connectionLost(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		// 08: connection exception; FATAL: the server ended the session
+		// (57P01, pg_terminate_backend, among others).
+		return pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08")
+	}
+	var netErr net.Error
+	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		(errors.As(err, &netErr) && !netErr.Timeout())
 }
 
 func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
@@ -409,17 +501,19 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 		status      string
 		fingerprint []byte
 		lockedAt    *time.Time
+		lockedUntil *time.Time
 		respStatus  *int32
 		respHeaders []byte
 		respBody    []byte
 		replayable  *bool
 		respSize    *int64
+		ttl         int64
 	)
 	err := s.pool.QueryRow(ctx, s.sql.acquire,
 		req.Key.CredentialHash[:], req.Key.Key, req.Fingerprint[:], req.Method, req.Path,
 		req.Token[:], req.Retention, req.LockTimeout,
 	).Scan(&outcome, &status, &fingerprint, &rec.Method, &rec.Path, &rec.CreatedAt, &rec.ExpiresAt,
-		&lockedAt, &respStatus, &respHeaders, &respBody, &replayable, &respSize)
+		&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl)
 	if err != nil {
 		return AcquireResult{}, err
 	}
@@ -433,6 +527,10 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 	if lockedAt != nil {
 		rec.LockedAt = lockedAt.UTC()
 	}
+	if lockedUntil != nil {
+		rec.LockedUntil = lockedUntil.UTC()
+	}
+	rec.TTL = time.Duration(ttl) * time.Microsecond
 	if rec.Status == StatusCompleted {
 		resp := &Response{Body: respBody}
 		if respStatus != nil {
@@ -445,7 +543,7 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 			resp.BodySize = *respSize
 		}
 		var err error
-		if resp.Header, err = decodeHeaderJSON(respHeaders); err != nil {
+		if resp.Header, err = decodeHeaders(respHeaders); err != nil {
 			return AcquireResult{}, fmt.Errorf("decoding stored response headers: %w", err)
 		}
 		rec.Response = resp
@@ -454,15 +552,7 @@ func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (Ac
 }
 
 // Complete implements Store.
-func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error {
-	header := resp.Header
-	if header == nil {
-		header = http.Header{}
-	}
-	headers, err := json.Marshal(header)
-	if err != nil {
-		return fmt.Errorf("postgres store: complete: encoding headers: %w", err)
-	}
+func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	// NULL marks a body that was not kept; an empty body is kept as ''.
 	var body []byte
 	if resp.Replayable {
@@ -471,13 +561,58 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 			body = []byte{}
 		}
 	}
-	return s.execOwned(ctx, opComplete, s.sql.complete, key, token,
-		resp.Status, headers, body, resp.Replayable, resp.BodySize)
+	err := s.execOwned(ctx, opComplete, s.sql.complete, key, token,
+		resp.Status, encodeHeaders(resp.Header), body, resp.Replayable, resp.BodySize, retention)
+	if permanentError(err) {
+		return fmt.Errorf("%w: %w", ErrUnstorable, err)
+	}
+	if errors.Is(err, ErrLockLost) {
+		// An earlier attempt whose reply was lost may have completed it.
+		return s.afterLockLost(ctx, opComplete, s.sql.completedBy, key.CredentialHash[:], key.Key, token[:])
+	}
+	return err
 }
 
-// Release implements Store.
+// afterLockLost runs check, a query that tells whether an earlier
+// attempt of the same call took effect, after a statement found no
+// record of the caller's: nil if it did, ErrLockLost if not.
+func (s *PostgresStore) afterLockLost(ctx context.Context, op, check string, args ...any) error {
+	var done bool
+	if err := s.pool.QueryRow(ctx, check, args...).Scan(&done); err != nil {
+		s.dropDeadConns(err)
+		return fmt.Errorf("postgres store: %s: %w", op, err)
+	}
+	if done {
+		return nil
+	}
+	return ErrLockLost
+}
+
+// permanentError reports whether err is the database refusing the
+// statement's data, which no retry changes: a data exception (class 22),
+// an integrity constraint violation (23) or a program limit exceeded
+// (54), such as a value too large.
+func permanentError(err error) bool {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return false
+	}
+	switch pgErr.Code[:min(2, len(pgErr.Code))] {
+	case "22", "23", "54":
+		return true
+	}
+	return false
+}
+
+// Release implements Store. A record that is gone counts as released:
+// an earlier attempt whose reply was lost, or an operator, deleted it;
+// either way the key is free.
 func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
-	return s.execOwned(ctx, opRelease, s.sql.release, key, token)
+	err := s.execOwned(ctx, opRelease, s.sql.release, key, token)
+	if errors.Is(err, ErrLockLost) {
+		return s.afterLockLost(ctx, opRelease, s.sql.gone, key.CredentialHash[:], key.Key)
+	}
+	return err
 }
 
 // Renew implements Store.
@@ -545,6 +680,10 @@ func (s *PostgresStore) prune(ctx context.Context, batchSize int) (total int64, 
 		return 0, false, nil
 	}
 	defer unlockPrune(conn, lockKey)
+	// With migrate off, nothing else has looked at the table.
+	if err := checkTable(ctx, conn, s.table); err != nil {
+		return 0, true, fmt.Errorf("postgres store: prune: %w", err)
+	}
 
 	for {
 		start := time.Now()

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -160,7 +161,7 @@ func TestPostgresCompleteThenReplay(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			req := testAcquireRequest("cred", fmt.Sprintf("complete-%d", i), "body")
 			mustAcquirePG(t, s, req, OutcomeCreated)
-			if err := s.Complete(context.Background(), req.Key, req.Token, &tt.resp); err != nil {
+			if err := s.Complete(context.Background(), req.Key, req.Token, &tt.resp, req.Retention); err != nil {
 				t.Fatalf("complete: %v", err)
 			}
 			rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
@@ -239,7 +240,7 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 	created := mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting).Record.CreatedAt
 
 	// The owner died an hour ago.
-	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour'")
+	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour', locked_until = now() - interval '1 hour' + interval '30 seconds'")
 
 	t.Run("other request does not take over", func(t *testing.T) {
 		other := testAcquireRequest("cred", owner.Key.Key, "another body")
@@ -261,7 +262,7 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 	if age := time.Since(rec.LockedAt); age > 10*time.Second {
 		t.Errorf("lock is %v old after takeover", age)
 	}
-	if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 200, Replayable: true}); !errors.Is(err, ErrLockLost) {
+	if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 200, Replayable: true}, owner.Retention); !errors.Is(err, ErrLockLost) {
 		t.Errorf("the dead owner's complete: %v, want ErrLockLost", err)
 	}
 }
@@ -297,14 +298,22 @@ func TestPostgresLockLost(t *testing.T) {
 	ctx := context.Background()
 	resp := &Response{Status: http.StatusOK, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}
 	ops := map[string]func(RecordKey, LockToken) error{
-		"complete": func(k RecordKey, tok LockToken) error { return s.Complete(ctx, k, tok, resp) },
+		"complete": func(k RecordKey, tok LockToken) error { return s.Complete(ctx, k, tok, resp, time.Hour) },
 		"release":  func(k RecordKey, tok LockToken) error { return s.Release(ctx, k, tok) },
 		"renew":    func(k RecordKey, tok LockToken) error { return s.Renew(ctx, k, tok) },
 	}
-	wantLost := func(t *testing.T, k RecordKey, tok LockToken) {
+	// A record that is gone is released (an earlier attempt whose reply
+	// was lost released it), and one completed by the token is completed
+	// (an earlier attempt completed it).
+	wantLost := func(t *testing.T, k RecordKey, tok LockToken, except ...string) {
 		t.Helper()
 		for name, op := range ops {
-			if err := op(k, tok); !errors.Is(err, ErrLockLost) {
+			err := op(k, tok)
+			if slices.Contains(except, name) {
+				if err != nil {
+					t.Errorf("%s: %v, want nil", name, err)
+				}
+			} else if !errors.Is(err, ErrLockLost) {
 				t.Errorf("%s: %v, want ErrLockLost", name, err)
 			}
 		}
@@ -318,7 +327,7 @@ func TestPostgresLockLost(t *testing.T) {
 		mustAcquirePG(t, s, retryRequest(req), OutcomeExisting) // untouched
 	})
 	t.Run("no such record", func(t *testing.T) {
-		wantLost(t, testAcquireRequest("cred", "never-acquired", "").Key, req.Token)
+		wantLost(t, testAcquireRequest("cred", "never-acquired", "").Key, req.Token, "release")
 	})
 	t.Run("after release", func(t *testing.T) {
 		r := testAcquireRequest("cred", "lost-0000002", "body")
@@ -326,14 +335,14 @@ func TestPostgresLockLost(t *testing.T) {
 		if err := s.Release(ctx, r.Key, r.Token); err != nil {
 			t.Fatalf("release: %v", err)
 		}
-		wantLost(t, r.Key, r.Token)
+		wantLost(t, r.Key, r.Token, "release")
 		mustAcquirePG(t, s, retryRequest(r), OutcomeCreated)
 	})
 	t.Run("after complete", func(t *testing.T) {
-		if err := s.Complete(ctx, req.Key, req.Token, resp); err != nil {
+		if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
-		wantLost(t, req.Key, req.Token)
+		wantLost(t, req.Key, req.Token, "complete")
 		rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
 		if rec.Status != StatusCompleted {
 			t.Errorf("status %q after a late release or renew", rec.Status)
@@ -351,12 +360,14 @@ func TestPostgresExpiredRecordIsCreatedAnew(t *testing.T) {
 			old := testAcquireRequest("cred", fmt.Sprintf("expired-%v", completed), "old body")
 			mustAcquirePG(t, s, old, OutcomeCreated)
 			if completed {
-				if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 201, Replayable: true}); err != nil {
+				if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 201, Replayable: true}, old.Retention); err != nil {
 					t.Fatal(err)
 				}
 			}
 			oldRec := mustAcquirePG(t, s, retryRequest(old), OutcomeExisting).Record
-			mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() - interval '1 second' WHERE key = $1", old.Key.Key)
+			// An in-progress record expires only once its lease has ended
+			// too (TestPostgresLiveLeaseNeverExpires).
+			mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() - interval '1 second', locked_until = now() - interval '1 second' WHERE key = $1", old.Key.Key)
 
 			// Even with another body: an expired key is a free key.
 			fresh := testAcquireRequest("cred", old.Key.Key, "new body")
@@ -368,7 +379,7 @@ func TestPostgresExpiredRecordIsCreatedAnew(t *testing.T) {
 			if !rec.CreatedAt.After(oldRec.CreatedAt) || !rec.ExpiresAt.After(time.Now()) {
 				t.Errorf("created_at %v (was %v), expires_at %v", rec.CreatedAt, oldRec.CreatedAt, rec.ExpiresAt)
 			}
-			if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 200, Replayable: true}); !errors.Is(err, ErrLockLost) {
+			if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 200, Replayable: true}, old.Retention); !errors.Is(err, ErrLockLost) {
 				t.Errorf("complete by the expired record's owner: %v, want ErrLockLost", err)
 			}
 		})
@@ -381,7 +392,7 @@ func fillForPrune(t *testing.T, s *PostgresStore, expired, live int) {
 	for i := range expired + live {
 		req := testAcquireRequest("cred", fmt.Sprintf("prune-%06d", i), "body")
 		if i < expired {
-			req.Retention = -time.Minute
+			req.Retention, req.LockTimeout = -time.Minute, -time.Minute
 		}
 		mustAcquirePG(t, s, req, OutcomeCreated)
 	}
@@ -519,7 +530,7 @@ func TestMigratePostgresIdempotent(t *testing.T) {
 
 	t.Run("twice", func(t *testing.T) {
 		table := freshTable(t)
-		for i, want := range []int{1, 0} {
+		for i, want := range []int{2, 0} {
 			if n, err := Migrate(ctx, pool, table); err != nil || n != want {
 				t.Fatalf("migration %d: applied %d, %v; want %d", i+1, n, err, want)
 			}
@@ -546,8 +557,8 @@ func TestMigratePostgresIdempotent(t *testing.T) {
 			})
 		}
 		wg.Wait()
-		if total != 1 {
-			t.Errorf("applied %d migrations in all, want 1", total)
+		if total != 2 {
+			t.Errorf("applied %d migrations in all, want 2", total)
 		}
 		assertMigrated(t, pool, table)
 	})
@@ -562,8 +573,8 @@ func TestMigratePostgresIdempotent(t *testing.T) {
 		if _, err := pool.Exec(ctx, strings.ReplaceAll(string(sql), defaultTable, table)); err != nil {
 			t.Fatalf("applying the file by hand: %v", err)
 		}
-		if n, err := Migrate(ctx, pool, table); err != nil || n != 1 {
-			t.Fatalf("migrate after a manual apply: %d, %v; want the bookkeeping of 1", n, err)
+		if n, err := Migrate(ctx, pool, table); err != nil || n != 2 {
+			t.Fatalf("migrate after a manual apply: %d, %v; want the bookkeeping of 1 and 0002", n, err)
 		}
 		assertMigrated(t, pool, table)
 	})
@@ -572,14 +583,14 @@ func TestMigratePostgresIdempotent(t *testing.T) {
 		// The bookkeeping says migrated, the table is gone: it is
 		// created again rather than left missing under every request.
 		table := freshTable(t)
-		if n, err := Migrate(ctx, pool, table); err != nil || n != 1 {
+		if n, err := Migrate(ctx, pool, table); err != nil || n != 2 {
 			t.Fatalf("first migration: %d, %v", n, err)
 		}
 		if _, err := pool.Exec(ctx, "DROP TABLE "+table); err != nil {
 			t.Fatal(err)
 		}
-		if n, err := Migrate(ctx, pool, table); err != nil || n != 1 {
-			t.Fatalf("migrate after the table was dropped: applied %d, %v; want 1", n, err)
+		if n, err := Migrate(ctx, pool, table); err != nil || n != 2 {
+			t.Fatalf("migrate after the table was dropped: applied %d, %v; want 2", n, err)
 		}
 		assertMigrated(t, pool, table)
 	})
@@ -601,8 +612,8 @@ func assertMigrated(t *testing.T, pool *pgxpool.Pool, table string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if columns != 15 || indexes != 2 || versions != 1 {
-		t.Errorf("%s has %d columns, %d indexes, %d versions recorded; want 15, 2 and 1", table, columns, indexes, versions)
+	if columns != 18 || indexes != 2 || versions != 2 {
+		t.Errorf("%s has %d columns, %d indexes, %d versions recorded; want 18, 2 and 2", table, columns, indexes, versions)
 	}
 }
 
@@ -623,7 +634,7 @@ func TestMigratePostgresSchemaAndLongNames(t *testing.T) {
 		schema + "." + long + "bbb",
 	} {
 		t.Run(table, func(t *testing.T) {
-			if n, err := Migrate(ctx, s.pool, table); err != nil || n != 1 {
+			if n, err := Migrate(ctx, s.pool, table); err != nil || n != 2 {
 				t.Fatalf("migrate: %d, %v", n, err)
 			}
 			assertMigrated(t, s.pool, table)
@@ -631,7 +642,7 @@ func TestMigratePostgresSchemaAndLongNames(t *testing.T) {
 			store := newTestPostgresStore(t, table, 8)
 			req := testAcquireRequest("cred", "schema-00001", "body")
 			mustAcquirePG(t, store, req, OutcomeCreated)
-			if err := store.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Replayable: true}); err != nil {
+			if err := store.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Replayable: true}, req.Retention); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -692,7 +703,7 @@ func TestPostgresNeverStoresRawCredential(t *testing.T) {
 	mustAcquirePG(t, s, req, OutcomeCreated)
 	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{
 		Status: 200, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"ok":true}`), Replayable: true, BodySize: 11,
-	}); err != nil {
+	}, time.Hour); err != nil {
 		t.Fatal(err)
 	}
 
@@ -919,7 +930,7 @@ FROM generate_series(1, 20000) AS i`)
 	statements := map[string]struct{ sql, args string }{
 		"lookup":   {s.sql.lookup, hash + `, 'key-00000001'`},
 		"acquire":  {s.sql.acquire, hash + `, 'key-00000001', ` + hash + `, 'POST', '/v1/charges', ` + token + `, '24h'::interval, '30s'::interval`},
-		"complete": {s.sql.complete, hash + `, 'key-00000001', ` + token + `, 200, '{}'::jsonb, '\x00'::bytea, true, 1`},
+		"complete": {s.sql.complete, hash + `, 'key-00000001', ` + token + `, 200, '\x01'::bytea, '\x00'::bytea, true, 1, '24h'::interval`},
 		"renew":    {s.sql.renew, hash + `, 'key-00000001', ` + token},
 		"release":  {s.sql.release, hash + `, 'key-00000001', ` + token},
 	}
@@ -1024,7 +1035,7 @@ WHERE wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO
 	if err := s.Renew(ownerCtx, owned.Key, owned.Token); err != nil {
 		t.Errorf("renew while acquires queue: %v", err)
 	}
-	if err := s.Complete(ownerCtx, owned.Key, owned.Token, &Response{Status: 201, Replayable: true}); err != nil {
+	if err := s.Complete(ownerCtx, owned.Key, owned.Token, &Response{Status: 201, Replayable: true}, owned.Retention); err != nil {
 		t.Errorf("complete while acquires queue: %v", err)
 	}
 	if err := s.Release(ownerCtx, released.Key, released.Token); err != nil {

@@ -17,27 +17,37 @@ import (
 // (Acquire) for a replay.
 type Store interface {
 	// Acquire atomically either creates an in_progress record owned by
-	// req.Token, or returns the record that already exists. An existing
-	// record that has expired is treated as absent. An in_progress
-	// record whose lock is older than req.LockTimeout and whose
-	// fingerprint is req's (the same request, retried) is taken over by
-	// exactly one caller (a compare-and-swap), which then owns it with a
-	// fresh retention; a different request never takes over, since the
-	// dead owner may have executed.
+	// req.Token, with a lease of req.LockTimeout, or returns the record
+	// that already exists. An existing record that has expired is
+	// treated as absent; an in_progress record whose lease is live never
+	// expires. An in_progress record whose lease has run out (the
+	// record's own lease: the retrier's LockTimeout plays no part) and
+	// whose fingerprint is req's (the same request, retried) is taken
+	// over by exactly one caller (a compare-and-swap), which then owns
+	// it with a lease of its own; a different request never takes over,
+	// since the dead owner may have executed. A record in progress
+	// under req.Token, with a live lease, is the caller's own, from an
+	// earlier attempt whose reply was lost: OutcomeCreated.
 	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
 
-	// Complete stores resp on the record owned by token and marks it
-	// completed. It returns ErrLockLost if the caller no longer owns
-	// the record (another request took it over).
-	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response) error
+	// Complete stores resp on the record owned by token, marks it
+	// completed and makes it expire retention from now. It returns
+	// ErrLockLost if the caller no longer owns the record (another
+	// request took it over), and an error wrapping ErrUnstorable if the
+	// store can never take resp. Repeated by the token that completed
+	// the record (its reply was lost), it returns nil.
+	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error
 
 	// Release deletes the in_progress record owned by token, so that a
-	// retry executes. It returns ErrLockLost if the caller no longer owns
-	// the record.
+	// retry executes. It returns ErrLockLost if the record is another's
+	// or completed; a record that is gone (an earlier attempt deleted
+	// it) counts as released.
 	Release(ctx context.Context, key RecordKey, token LockToken) error
 
-	// Renew moves the lock time of the record owned by token to now, so
-	// that a slow request is not taken over while it runs. It returns
+	// Renew extends the lease of the record owned by token to now plus
+	// the length the lease was given at Acquire, and keeps the record
+	// from expiring before the lease ends, so that a slow request is
+	// neither taken over nor forgotten while it runs. It returns
 	// ErrLockLost if the caller no longer owns the record.
 	Renew(ctx context.Context, key RecordKey, token LockToken) error
 
@@ -78,6 +88,11 @@ var ErrLockLost = errors.New("idempotency: lock lost to another request")
 // record; the handler answers 503 so the client retries later.
 var ErrStoreFull = errors.New("idempotency: store is full")
 
+// ErrUnstorable means the store refused a response for good (Postgres:
+// a data exception, an integrity violation, a size limit): trying again
+// cannot succeed.
+var ErrUnstorable = errors.New("idempotency: the store cannot keep this response")
+
 // RecordKey identifies a record: the SHA-256 of the credential and the
 // client's Idempotency-Key. The raw credential never reaches a store.
 type RecordKey struct {
@@ -112,10 +127,12 @@ type AcquireRequest struct {
 	Fingerprint [32]byte
 	Method      string
 	Path        string
-	// LockTimeout is how old an in_progress lock must be before another
-	// request may take it over.
+	// LockTimeout is the lease the record gets if this request creates
+	// or takes it over: no other request may take it over before the
+	// lease ends, and each renewal extends it by as much again.
 	LockTimeout time.Duration
-	// Retention is how long after creation the record expires.
+	// Retention is how long the record lives: from its creation, and
+	// then from its completion. It must exceed LockTimeout.
 	Retention time.Duration
 }
 
@@ -149,6 +166,12 @@ type Record struct {
 	CreatedAt   time.Time
 	ExpiresAt   time.Time
 	LockedAt    time.Time
+	// LockedUntil is when the lease of an in_progress record ends.
+	LockedUntil time.Time
+	// TTL is how long the record had left to live when the store
+	// answered, as the store measured it: unlike ExpiresAt, it means
+	// the same on every clock.
+	TTL time.Duration
 	// Response is set when Status is StatusCompleted.
 	Response *Response
 }

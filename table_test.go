@@ -1,0 +1,173 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// A table option that names an application's table (one with an
+// expires_at column) is refused, at start and by every pruner, and the
+// table is left as it was: no index added, no row deleted.
+func TestPostgresRefusesForeignTable(t *testing.T) {
+	dsn := testDSN(t)
+	table := freshTable(t)
+	pgExec(t, dsn, "CREATE TABLE "+table+" (id text PRIMARY KEY, expires_at timestamptz NOT NULL)")
+	pgExec(t, dsn, "INSERT INTO "+table+" SELECT 'session-' || i, now() - interval '1 day' FROM generate_series(1, 5) AS i")
+	untouched := func() {
+		t.Helper()
+		rows := pgQuery(t, dsn, `SELECT (SELECT count(*) FROM `+table+`),
+	(SELECT count(*) FROM pg_index WHERE indrelid = to_regclass($1))`, table)
+		if rows[0][0] != "5" || rows[0][1] != "1" {
+			t.Fatalf("%s has %s rows and %s indexes; want its 5 rows and its primary key only", table, rows[0][0], rows[0][1])
+		}
+	}
+	wantRefusal := func(what string, err error) {
+		t.Helper()
+		if err == nil || !strings.Contains(err.Error(), table) || !strings.Contains(err.Error(), "not a table of idempotency records") {
+			t.Errorf("%s: %v; want a refusal naming %s", what, err, table)
+		}
+		untouched()
+	}
+
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	s := &PostgresStore{DSN: dsn, Table: table}
+	err := s.Provision(ctx)
+	if err == nil {
+		_ = s.Cleanup()
+	}
+	wantRefusal("provision", err)
+
+	off := false
+	s = &PostgresStore{DSN: dsn, Table: table, Migrate: &off}
+	if err := s.Provision(ctx); err != nil {
+		t.Fatalf("provision with migrate off: %v", err)
+	}
+	defer s.Cleanup()
+	_, err = s.Prune(ctx, 100)
+	wantRefusal("prune", err)
+
+	_, err = Migrate(ctx, s.pool, table)
+	wantRefusal("migrate", err)
+
+	res := runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "prune", "--table", table)
+	wantCLI(t, res, exitError, table, "not a table of idempotency records")
+	untouched()
+}
+
+// The replay cache never outlives the record as the database measures
+// its lifetime, whatever the local clock says: here the local clock is
+// 10s behind the database's, and the record has 2s left.
+func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 2)
+	ctx := context.Background()
+	req := testAcquireRequest("cred", "clock-key", "body")
+	req.Retention = 10 * time.Second
+	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire: %+v, %v", res, err)
+	}
+	if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Body: []byte("x"), Replayable: true, BodySize: 1}, req.Retention); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() + interval '2 seconds'")
+
+	c := newReplayCache(s, 1<<20)
+	c.now = func() time.Time { return time.Now().Add(-10 * time.Second) }
+	start := time.Now()
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeExisting {
+		t.Fatalf("acquire: %+v, %v", res, err)
+	}
+	if c.get(req.Key, c.now()) == nil {
+		t.Fatal("the completed record was not cached")
+	}
+	time.Sleep(time.Until(start.Add(2 * time.Second)))
+	if rec := c.get(req.Key, c.now()); rec != nil {
+		t.Fatalf("served from the cache after the record expired in the database")
+	}
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire after expiry: %+v, %v; want the key free again", res, err)
+	}
+}
+
+// A call whose reply was lost after it took effect is repeated with the
+// same token, and finds its own effect: the acquire owns the record it
+// created, the completion and the release are done.
+func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
+	eachRealStore(t, func(t *testing.T, s Store) {
+		ctx := context.Background()
+		req := testAcquireRequest("cred", "repeat-key", "body")
+		for i := range 2 {
+			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+				t.Fatalf("acquire %d: %+v, %v; want created, the caller's", i+1, res, err)
+			}
+		}
+		other := retryRequest(req)
+		if res, err := s.Acquire(ctx, other); err != nil || res.Outcome != OutcomeExisting {
+			t.Fatalf("acquire by another token: %+v, %v; want existing", res, err)
+		}
+		resp := &Response{Status: 201, Body: []byte("done"), Replayable: true, BodySize: 4}
+		for i := range 2 {
+			if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
+				t.Fatalf("complete %d: %v", i+1, err)
+			}
+		}
+		if err := s.Complete(ctx, req.Key, other.Token, resp, req.Retention); !errors.Is(err, ErrLockLost) {
+			t.Errorf("complete by another token: %v, want ErrLockLost", err)
+		}
+		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
+			t.Errorf("release of a completed record: %v, want ErrLockLost", err)
+		}
+
+		released := testAcquireRequest("cred", "repeat-release", "body")
+		if res, err := s.Acquire(ctx, released); err != nil || res.Outcome != OutcomeCreated {
+			t.Fatalf("acquire: %+v, %v", res, err)
+		}
+		for i := range 2 {
+			if err := s.Release(ctx, released.Key, released.Token); err != nil {
+				t.Fatalf("release %d: %v", i+1, err)
+			}
+		}
+	})
+}
+
+// An acquire whose connection the server ended is tried again, with the
+// same token, instead of failing the request.
+func TestPostgresAcquireSurvivesKilledConnections(t *testing.T) {
+	t.Parallel()
+	app := "idem_acq_" + randomHex(4)
+	table := freshTable(t)
+	s := &PostgresStore{DSN: withApplicationName(testDSN(t), app), Table: table, MaxConns: 4}
+	cctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := s.Provision(cctx); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Cleanup()
+	ctx := context.Background()
+	for i := range 5 {
+		// Warm connections, then kill them all: the next statement on
+		// each fails.
+		warm := testAcquireRequest("cred", fmt.Sprintf("warm-%d", i), "body")
+		if _, err := s.Acquire(ctx, warm); err != nil {
+			t.Fatalf("acquire: %v", err)
+		}
+		rows := pgQuery(t, testDSN(t), "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1", app)
+		if rows[0][0] == "0" {
+			t.Fatalf("no connection killed")
+		}
+		req := testAcquireRequest("cred", fmt.Sprintf("after-kill-%d", i), "body")
+		actx, done := context.WithTimeout(ctx, storeTimeout)
+		res, err := s.Acquire(actx, req)
+		done()
+		if err != nil || res.Outcome != OutcomeCreated {
+			t.Fatalf("acquire after the connections were killed: %+v, %v; want created", res, err)
+		}
+	}
+}
