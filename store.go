@@ -78,8 +78,9 @@ var ErrLockLost = errors.New("idempotency: lock lost to another request")
 // record; the handler answers 503 so the client retries later.
 var ErrStoreFull = errors.New("idempotency: store is full")
 
-// RecordKey identifies a record: the SHA-256 of the credential and the
-// client's Idempotency-Key. The raw credential never reaches a store.
+// RecordKey identifies a record: the keyed hash of the credential
+// (credential.go) and the client's Idempotency-Key. The raw credential
+// never reaches a store.
 type RecordKey struct {
 	CredentialHash [32]byte
 	Key            string
