@@ -501,3 +501,12 @@ func TestCredentialHashDoesNotAllocate(t *testing.T) {
 		t.Errorf("%v allocations per hash, want 0", allocs)
 	}
 }
+
+// The stores that tests define around the memory store share its secret.
+func (s *benchMemoryStore) credentialSecret(ctx context.Context) ([]byte, error) {
+	return s.Store.(*MemoryStore).credentialSecret(ctx)
+}
+
+func (s *cacheTestStore) credentialSecret(ctx context.Context) ([]byte, error) {
+	return s.Store.(*MemoryStore).credentialSecret(ctx)
+}
