@@ -37,3 +37,12 @@ bench-pools:
 
 bench-micro:
 	go test -run '^$$' -bench 'FingerprintJSON2KiB|CanonicalJSON|Recorder|Replay|FirstExecution|DecodeHeaderJSON' -benchmem -count 1 .
+
+# The failover figures of README "High availability": five runs on a
+# synchronous standby (the test `make test` runs once), then asynchronous
+# replication, without and with the standby held 1s behind.
+.PHONY: failover
+failover:
+	go test -race -count=5 -run '^TestFailover$$' -v .
+	IDEMPOTENCY_FAILOVER_ASYNC=1 go test -race -count=2 -run '^TestFailover$$' -v .
+	IDEMPOTENCY_FAILOVER_ASYNC=1 IDEMPOTENCY_FAILOVER_LAG=1s go test -race -count=2 -run '^TestFailover$$' -v .

@@ -4,6 +4,7 @@ import (
 	"math"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -100,6 +101,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				if !validToken(m) {
 					return d.Errf("idempotency: methods: invalid method %q", m)
 				}
+				if err := checkUnsafeMethod(m); err != nil {
+					return d.Errf("idempotency: methods: %v", err)
+				}
 			}
 		case "optional":
 			if d.NextArg() {
@@ -107,16 +111,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Optional = true
 		case "retention":
-			err = durationArg(d, &h.Retention, false)
+			err = durationArg(d, &h.Retention, false, 0)
 		case "lock_timeout":
-			err = durationArg(d, &h.LockTimeout, false)
+			err = durationArg(d, &h.LockTimeout, false, minDuration)
 		case "retry_after":
-			err = durationArg(d, &h.RetryAfter, false)
+			err = durationArg(d, &h.RetryAfter, false, minDuration)
 		case "execution_timeout":
-			err = durationArg(d, &h.ExecutionTimeout, false)
+			err = durationArg(d, &h.ExecutionTimeout, false, minDuration)
 		case "prune_interval":
 			var interval caddy.Duration
-			err = durationArg(d, &interval, true)
+			err = durationArg(d, &interval, true, minDuration)
 			h.PruneInterval = &interval
 		case "max_request_body":
 			err = sizeArg(d, &h.MaxRequestBody)
@@ -135,7 +139,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				}
 			}
 		case "wait":
-			err = durationArg(d, &h.Wait, true)
+			err = durationArg(d, &h.Wait, true, minWait)
 		case "mismatch_status":
 			var s string
 			if !d.Args(&s) || d.NextArg() {
@@ -201,7 +205,9 @@ func oneArg(d *caddyfile.Dispenser, dst *string) error {
 	return nil
 }
 
-func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool) error {
+// durationArg parses a duration that must be positive (or 0, if zeroOK)
+// and, unless 0, at least floor.
+func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool, floor time.Duration) error {
 	name := d.Val()
 	var s string
 	if !d.Args(&s) || d.NextArg() {
@@ -213,6 +219,9 @@ func durationArg(d *caddyfile.Dispenser, dst *caddy.Duration, zeroOK bool) error
 	}
 	if dur < 0 || (dur == 0 && !zeroOK) {
 		return d.Errf("idempotency: %s: duration must be positive, got %q", name, s)
+	}
+	if err := (durationFloor{name, dur, floor, zeroOK}).check(); err != nil {
+		return d.Errf("idempotency: %v", err)
 	}
 	*dst = caddy.Duration(dur)
 	return nil

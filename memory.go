@@ -22,11 +22,17 @@ func init() {
 
 const defaultMemoryMaxEntries = 100_000
 
-// memoryPool shares the records of each memory store configuration
-// between the handlers that use it, across config reloads: Caddy
-// provisions the new config before it cleans up the old one, so the
-// reference count stays above zero and in-flight records survive.
+// memoryPool shares the process's one set of memory records between the
+// handlers that use it, across config reloads: Caddy provisions the new
+// config before it cleans up the old one, so the reference count stays
+// above zero and the records survive, whatever max_entries the new
+// config gives.
 var memoryPool = caddy.NewUsagePool()
+
+// memoryPoolKey names the records in memoryPool: one set per process, so
+// that a reload that changes max_entries does not start an empty store
+// (and execute completed keys again).
+const memoryPoolKey = "memory"
 
 // MemoryStore keeps records in the memory of the Caddy process. It is
 // the default store, for development, demos and tests: records are lost
@@ -38,7 +44,9 @@ type MemoryStore struct {
 	// full of live records, a request with a new key gets 503 rather than
 	// evicting a live record, which would let that record's retry execute
 	// twice. Memory use is bounded by MaxEntries times the handler's
-	// max_response_body. Default: 100000.
+	// max_response_body. The records, and so the cap, are shared by every
+	// memory store in the process (every site); the one provisioned last
+	// sets the cap. Default: 100000.
 	MaxEntries int `json:"max_entries,omitempty"`
 
 	records *memoryRecords
@@ -54,7 +62,8 @@ func (MemoryStore) CaddyModule() caddy.ModuleInfo {
 }
 
 // Provision attaches the store to the records shared by every memory
-// store with the same MaxEntries.
+// store, and makes MaxEntries their cap: the config provisioned last
+// sets it for all.
 func (m *MemoryStore) Provision(ctx caddy.Context) error {
 	if m.MaxEntries < 0 {
 		return fmt.Errorf("max_entries must be positive, got %d", m.MaxEntries)
@@ -65,14 +74,18 @@ func (m *MemoryStore) Provision(ctx caddy.Context) error {
 	ctx.Logger().Warn("the memory store is not durable: records are lost when Caddy exits and are not shared with other instances; use the postgres store in production",
 		zap.Int("max_entries", m.MaxEntries))
 
-	key := "memory/" + strconv.Itoa(m.MaxEntries)
-	v, _, err := memoryPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+	v, _, err := memoryPool.LoadOrNew(memoryPoolKey, func() (caddy.Destructor, error) {
 		return newMemoryRecords(m.MaxEntries, time.Now), nil
 	})
 	if err != nil {
 		return err
 	}
-	m.records, m.poolKey = v.(*memoryRecords), key
+	m.records, m.poolKey = v.(*memoryRecords), memoryPoolKey
+	// A smaller cap than the records held refuses new keys until enough
+	// expire; no live record is evicted.
+	m.records.mu.Lock()
+	m.records.maxEntries = m.MaxEntries
+	m.records.mu.Unlock()
 	return nil
 }
 

@@ -400,10 +400,16 @@ func TestMemoryCancelledContext(t *testing.T) {
 	}
 }
 
+// A reload keeps the records, whatever max_entries the new config gives:
+// a completed key replays instead of executing again (the records were
+// once pooled by max_entries, so a reload that changed it emptied the
+// store).
 func TestMemoryProvisionSharesRecords(t *testing.T) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
-	const maxEntries = 4242 // no other test provisions this size
+	// Other tests' stores may still hold the process's records.
+	refsBefore, _ := memoryPool.References(memoryPoolKey)
+	const maxEntries = 4242
 	provision := func(maxEntries int) *MemoryStore {
 		t.Helper()
 		m := &MemoryStore{MaxEntries: maxEntries}
@@ -414,13 +420,16 @@ func TestMemoryProvisionSharesRecords(t *testing.T) {
 	}
 
 	old := provision(maxEntries)
-	req := memTestRequest("reload-key")
+	req := memTestRequest("reload-key-" + randomHex(8))
 	mustAcquire(t, old, req, OutcomeCreated)
 
 	// A reload provisions the new config before cleaning up the old one.
-	reloaded := provision(maxEntries)
+	reloaded := provision(maxEntries + 1)
 	if reloaded.records != old.records {
-		t.Fatal("the reloaded store does not share the records")
+		t.Fatal("the reloaded store, with another max_entries, does not share the records")
+	}
+	if got := reloaded.records.maxEntries; got != maxEntries+1 {
+		t.Errorf("cap %d after the reload, want the new config's %d", got, maxEntries+1)
 	}
 	if err := old.Cleanup(); err != nil {
 		t.Fatal(err)
@@ -428,22 +437,24 @@ func TestMemoryProvisionSharesRecords(t *testing.T) {
 	if err := reloaded.Complete(context.Background(), req.Key, req.Token, &Response{Status: 200, Replayable: true}); err != nil {
 		t.Fatalf("in-flight request completing after the reload: %v", err)
 	}
-
-	if other := provision(maxEntries + 1); other.records == reloaded.records {
-		t.Fatal("stores of different sizes share records")
-	} else if err := other.Cleanup(); err != nil {
-		t.Fatal(err)
+	retry := req
+	retry.Token = newLockToken()
+	if rec := mustAcquire(t, reloaded, retry, OutcomeExisting); rec.Status != StatusCompleted {
+		t.Fatalf("the completed key after the reload: %+v", rec)
 	}
 
 	if err := reloaded.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := memoryPool.References(reloaded.poolKey); ok {
-		t.Fatal("the records outlive the last store using them")
+	if refs, _ := memoryPool.References(memoryPoolKey); refs != refsBefore {
+		t.Fatalf("%d references to the records, want the %d from before", refs, refsBefore)
+	}
+	if refsBefore > 0 {
+		return
 	}
 	fresh := provision(maxEntries)
 	defer fresh.Cleanup()
-	mustAcquire(t, fresh, memTestRequest("reload-key"), OutcomeCreated)
+	mustAcquire(t, fresh, req, OutcomeCreated)
 }
 
 func TestMemoryProvisionDefaults(t *testing.T) {
@@ -541,4 +552,39 @@ func TestPackedResponseRoundTrip(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A reload that changes the memory store's max_entries keeps its
+// records: a completed key replays. Catches records pooled by
+// max_entries (the reload started an empty store, and the key executed
+// again).
+func TestMemoryReloadWithOtherMaxEntriesKeepsRecords(t *testing.T) {
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	logPath := t.TempDir() + "/caddy.log"
+	cfg := func(maxEntries int) []byte {
+		js, _, err := adaptCaddyfile(globalOptions(logPath, "") + fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store memory {
+			max_entries %d
+		}
+	}
+	reverse_proxy %s
+}
+`, port, maxEntries, up.Addr()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return js
+	}
+	srv := startCaddyJSON(t, cfg(1000), logPath)
+	s := newSiteClient(t, srv, port)
+	c := call{Key: newKey(), Body: payBody()}
+	first := s.Do(t, c)
+	wantExecuted(t, first, 201)
+	if err := caddy.Load(cfg(2000), true); err != nil { // caddyMu is held by this test
+		t.Fatalf("reload: %v", err)
+	}
+	wantReplayOf(t, s.Do(t, c), first)
+	wantCount(t, up, 1)
 }

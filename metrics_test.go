@@ -77,7 +77,7 @@ func TestMetricsCount(t *testing.T) {
 	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
 		%s
-		prune_interval 100ms
+		prune_interval 1s
 		replay_cache off
 	}
 	reverse_proxy %s

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -97,7 +98,7 @@ func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.R
 		zap.String("method", r.Method), zap.String("path", r.URL.Path))
 	repl.Set("http.idempotency.result", resultFailOpen)
 	restoreBody(r, body, nil)
-	return next.ServeHTTP(w, r)
+	return next.ServeHTTP(w, markProtected(r))
 }
 
 // serveShadow is ServeHTTP in shadow mode. Every step runs as in
@@ -111,7 +112,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 	// read must have been restored.
 	pass := func(result string) error {
 		repl.Set("http.idempotency.result", shadowPrefix+result)
-		return next.ServeHTTP(w, r)
+		return next.ServeHTTP(w, markProtected(r))
 	}
 	wouldReject := func(key string, p problem) {
 		if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
@@ -138,7 +139,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		restoreBody(r, body, prob)
 		return pass(resultRejected)
 	}
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(strings.ToUpper(r.Method), r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 	restoreBody(r, body, nil)
 
 	h.executing.Add(1)

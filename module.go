@@ -20,6 +20,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -94,8 +95,10 @@ type Handler struct {
 	// created by the first instance; memory: random per process).
 	CredentialSecret string `json:"credential_secret,omitempty"`
 
-	// The methods that are protected; others pass through untouched.
-	// Default: POST, PATCH.
+	// The methods that are protected, compared case-insensitively;
+	// others pass through untouched. GET, HEAD, OPTIONS and TRACE are
+	// refused: Go's transport re-sends them on its own. Default: POST,
+	// PATCH.
 	Methods []string `json:"methods,omitempty"`
 
 	// If true, a protected request without a key passes through
@@ -107,11 +110,12 @@ type Handler struct {
 
 	// How old the lock of an in-progress record must be before another
 	// request may take it over (its owner is presumed dead). The owner
-	// renews its lock while it runs. Default: 30s.
+	// renews its lock while it runs. At least 1s. Default: 30s.
 	LockTimeout caddy.Duration `json:"lock_timeout,omitempty"`
 
 	// The Retry-After sent with a 409 for a request still in progress,
-	// and with a 503 when the store is unreachable. Default: 2s.
+	// and with a 503 when the store is unreachable. At least 1s.
+	// Default: 2s.
 	RetryAfter caddy.Duration `json:"retry_after,omitempty"`
 
 	// The largest request body accepted, in bytes; larger gets 413.
@@ -129,12 +133,12 @@ type Handler struct {
 	ExcludeHeaders []string `json:"exclude_headers,omitempty"`
 
 	// How often this instance deletes expired records. 0 disables
-	// pruning by this instance. Default: 1h.
+	// pruning by this instance; otherwise at least 1s. Default: 1h.
 	PruneInterval *caddy.Duration `json:"prune_interval,omitempty"`
 
 	// How long a protected request keeps running after its client
 	// disconnected, so that the client's retry finds a stored response.
-	// Default: 5m.
+	// At least 1s. Default: 5m.
 	ExecutionTimeout caddy.Duration `json:"execution_timeout,omitempty"`
 
 	// The size in bytes of this handler's cache of completed responses,
@@ -146,8 +150,8 @@ type Handler struct {
 	// fingerprint) still in progress waits for it to finish, to get its
 	// response replayed, before it gets 409 with Retry-After. The store
 	// wakes waiters when the first request completes (Postgres:
-	// LISTEN/NOTIFY), so waiting costs no polling. Default: 0, an
-	// immediate 409.
+	// LISTEN/NOTIFY), so waiting costs no polling. 0 or at least 10ms.
+	// Default: 0, an immediate 409.
 	Wait caddy.Duration `json:"wait,omitempty"`
 
 	// The status answered when a key is reused with a different request:
@@ -294,6 +298,12 @@ func (h *Handler) Validate() error {
 	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
 		return fmt.Errorf("max_request_body and max_response_body must be positive")
 	}
+	// The Caddyfile's bound, for JSON too: a body is held in memory.
+	for name, n := range map[string]int64{"max_request_body": h.MaxRequestBody, "max_response_body": h.MaxResponseBody} {
+		if n > math.MaxInt32 {
+			return fmt.Errorf("idempotency: %s: size must be between 1 byte and 2GiB, got %d", name, n)
+		}
+	}
 	if h.ReplayCache != nil && *h.ReplayCache < 0 {
 		return fmt.Errorf("replay_cache must not be negative")
 	}
@@ -308,6 +318,14 @@ func (h *Handler) Validate() error {
 		if !validToken(m) {
 			return fmt.Errorf("invalid method %q", m)
 		}
+		if err := checkUnsafeMethod(m); err != nil {
+			return err
+		}
+	}
+	for _, f := range durationFloors(h) {
+		if err := f.check(); err != nil {
+			return err
+		}
 	}
 	if h.Credential != "" && !hasPlaceholder(h.Credential) {
 		return fmt.Errorf("credential %q holds no placeholder: every caller would share one scope, and see the others' responses under their keys; use a placeholder that identifies the caller, such as {http.auth.user.id}", h.Credential)
@@ -316,6 +334,56 @@ func (h *Handler) Validate() error {
 		if !validToken(name) {
 			return fmt.Errorf("invalid header name %q", name)
 		}
+	}
+	return nil
+}
+
+// minDuration is the shortest lock_timeout, retry_after,
+// execution_timeout and (unless 0) prune_interval: shorter ones turn the
+// lock's renewals and the pruner into loops that spin on the store.
+const minDuration = time.Second
+
+// minWait is the shortest wait, unless 0.
+const minWait = 10 * time.Millisecond
+
+// durationFloor is a setting with the least value that makes sense.
+type durationFloor struct {
+	name   string
+	value  time.Duration
+	min    time.Duration
+	zeroOK bool
+}
+
+func durationFloors(h *Handler) []durationFloor {
+	return []durationFloor{
+		{"lock_timeout", time.Duration(h.LockTimeout), minDuration, false},
+		{"retry_after", time.Duration(h.RetryAfter), minDuration, false},
+		{"execution_timeout", time.Duration(h.ExecutionTimeout), minDuration, false},
+		{"prune_interval", time.Duration(*h.PruneInterval), minDuration, true},
+		{"wait", time.Duration(h.Wait), minWait, true},
+	}
+}
+
+func (f durationFloor) check() error {
+	if f.value >= f.min || f.zeroOK && f.value == 0 {
+		return nil
+	}
+	or0 := ""
+	if f.zeroOK {
+		or0 = " (or 0)"
+	}
+	return fmt.Errorf("%s %s is too short: it must be at least %s%s", f.name, f.value, f.min, or0)
+}
+
+// checkUnsafeMethod refuses the methods that Go's HTTP transport (the
+// one reverse_proxy uses) re-sends on its own: it retries a request that
+// fails on a dropped keep-alive connection when the method is GET, HEAD,
+// OPTIONS or TRACE, whatever its headers say, so the upstream could run
+// a "protected" one twice.
+func checkUnsafeMethod(m string) error {
+	switch strings.ToUpper(m) {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
+		return fmt.Errorf("method %s cannot be protected: reverse_proxy's transport re-sends %s requests on a dropped keep-alive connection, which could execute one twice; protect the methods that change state (POST, PATCH, PUT, DELETE)", m, strings.ToUpper(m))
 	}
 	return nil
 }
@@ -337,11 +405,14 @@ func validToken(s string) bool {
 
 // ServeHTTP implements the request path of the contract, step by step.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	if _, protected := h.methods[r.Method]; !protected || r.Method == http.MethodGet && isUpgrade(r) {
-		// A WebSocket handshake (a GET, if GET is protected at all)
-		// hijacks the connection past any recorder, so there is no
-		// response to store: it passes through. Upgrade headers on any
-		// other method do not buy a way around the key.
+	// Methods compare case-insensitively: frameworks run `post` as POST.
+	// ToUpper returns an upper-case method as it is, without allocating.
+	method := strings.ToUpper(r.Method)
+	if _, protected := h.methods[method]; !protected || r.Context().Value(protectedCtxKey{}) != nil {
+		// A request that an idempotency handler on its way here already
+		// protects passes through: that handler re-filed the key header
+		// (hideKeyFromTransport), so this one would answer it 400, and
+		// the outer one store that answer for every retry.
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
@@ -382,7 +453,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	fp := fingerprint(r.Method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp := fingerprint(method, r.URL.EscapedPath(), r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -448,33 +519,43 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 	}
 }
 
+// initialBodyBuffer is the most that is allocated for a body before its
+// bytes arrive: a declared Content-Length costs nothing until it is sent.
+const initialBodyBuffer = 64 << 10
+
 // readBody reads the request body up to MaxRequestBody. The problem it
 // returns, if any, is the client's error: nothing has been stored yet.
 // With a problem, the bytes are those read so far: shadow mode hands them
 // on, followed by the rest of the body.
 func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
-	tooLarge := func() *problem {
+	tooLarge := func(limit int64) *problem {
 		p := probBodyTooLarge.withDetail(fmt.Sprintf(
-			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", h.MaxRequestBody))
+			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", limit))
 		return &p
 	}
 	if r.ContentLength > h.MaxRequestBody {
-		return nil, tooLarge()
+		return nil, tooLarge(h.MaxRequestBody)
 	}
 	if r.Body == nil || r.Body == http.NoBody {
 		return []byte{}, nil
 	}
-	// With a Content-Length, the body is read in one allocation of its
-	// size (+1 to see EOF without growing), the one copy a request costs.
+	// The buffer grows, by doubling, with the bytes that arrive: a
+	// client that declares a large body and sends little holds little.
+	// A body that arrives whole as declared fits its first buffer when
+	// it is small (+1 to see EOF without growing), and costs a few
+	// copies when it is large.
+	limit := h.MaxRequestBody + 1
 	size := int64(512)
 	if r.ContentLength >= 0 {
 		size = r.ContentLength + 1
 	}
-	buf := make([]byte, 0, size)
-	lr := io.LimitedReader{R: r.Body, N: h.MaxRequestBody + 1}
+	buf := make([]byte, 0, min(size, initialBodyBuffer, limit))
+	lr := io.LimitedReader{R: r.Body, N: limit}
 	for {
 		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
+			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit))
+			copy(grown, buf)
+			buf = grown
 		}
 		n, err := lr.Read(buf[len(buf):cap(buf)])
 		buf = buf[:len(buf)+n]
@@ -482,6 +563,12 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 			break
 		}
 		if err != nil {
+			// A request_body limit around this handler (or any
+			// http.MaxBytesReader) is a body too large too.
+			var mbe *http.MaxBytesError
+			if errors.As(err, &mbe) {
+				return buf, tooLarge(mbe.Limit)
+			}
 			p := probBodyUnreadable
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
@@ -491,7 +578,7 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 		}
 	}
 	if int64(len(buf)) > h.MaxRequestBody {
-		return buf, tooLarge()
+		return buf, tooLarge(h.MaxRequestBody)
 	}
 	return buf, nil
 }
@@ -522,6 +609,12 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
 		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
 	}
+	gunzip, prob := replayCoding(r, resp)
+	if prob != nil {
+		h.logger.Info("idempotency.not_acceptable", fields(
+			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))...)
+		return h.finish(w, repl, resultRejected, *prob, 0)
+	}
 	age := time.Since(rec.CreatedAt).Seconds()
 	if c := h.logger.Check(zapcore.InfoLevel, "idempotency.replay"); c != nil {
 		c.Write(fields(zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))...)
@@ -529,33 +622,74 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 	replayAge.Observe(age)
 	repl.Set("http.idempotency.result", resultReplayed)
 
-	// The stored headers replace whatever handlers before us set (a
-	// `header` directive, Server): those were already in the map when
-	// the original response was recorded, unless the next handler
-	// removed them, as reverse_proxy does with Server. Assign, never
-	// Add, or values would be doubled.
-	//
-	// The values are copied, all in one allocation: the stored ones may
-	// be shared with other replays (the replay cache). Each header gets a
-	// full slice expression, so that a handler appending to one
-	// reallocates instead of writing over its neighbour.
+	h.replay(w, r, resp, gunzip)
+	return nil
+}
+
+// replay sends the stored response resp as the answer to r, its body
+// decoded from gzip if gunzip is set (see replayCoding).
+//
+// It starts from the headers that handlers around this one have already
+// set on this request (a `header` directive's values, a Set-Cookie that
+// the record never holds): they belong to this response. The stored
+// headers replace those of the same names, since they were in the map
+// when the original response was recorded, unless the next handler
+// removed them. Assign, never Add, or values would be doubled. Server is
+// the exception: the stored response says who produced it (reverse_proxy
+// removes Caddy's in favour of Via), so it comes from the record or not
+// at all.
+//
+// The values are copied, all in one allocation: the stored ones may be
+// shared with other replays (the replay cache). Each header gets a full
+// slice expression, so that a handler appending to one reallocates
+// instead of writing over its neighbour.
+func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response, gunzip bool) {
 	hdr := w.Header()
-	clear(hdr)
+	delete(hdr, "Server")
 	n := 0
-	for _, values := range resp.Header {
+	var trailers []string
+	for name, values := range resp.Header {
+		if t, ok := strings.CutPrefix(name, trailerPrefix); ok {
+			trailers = append(trailers, t)
+			continue
+		}
 		n += len(values)
 	}
 	all := make([]string, 0, n+2)
 	for name, values := range resp.Header {
+		if strings.HasPrefix(name, trailerPrefix) {
+			continue
+		}
 		all = append(all, values...)
 		hdr[name] = all[len(all)-len(values) : len(all) : len(all)]
 	}
 	all = append(all, "true", "true")
 	hdr["Idempotent-Replay"] = all[n : n+1 : n+1]
 	hdr["Idempotent-Replayed"] = all[n+1 : n+2 : n+2]
+	if len(trailers) > 0 {
+		// Declared, so that the body is sent chunked (a length would
+		// leave no room for trailers) and the trailers follow it.
+		hdr["Trailer"] = []string{strings.Join(trailers, ", ")}
+		delete(hdr, "Content-Length")
+	}
+	if gunzip {
+		delete(hdr, "Content-Encoding")
+		delete(hdr, "Content-Length")
+	}
 	w.WriteHeader(resp.Status)
-	_, _ = w.Write(resp.Body)
-	return nil
+	if gunzip {
+		if err := copyGunzipped(w, resp.Body); err != nil {
+			// The client has part of a body: abort the response
+			// rather than end it as though it were whole.
+			h.logger.Error("idempotency.replay_decode", zap.String("path", r.URL.Path), zap.Error(err))
+			panic(http.ErrAbortHandler)
+		}
+	} else {
+		_, _ = w.Write(resp.Body)
+	}
+	for _, name := range trailers {
+		hdr[name] = append([]string(nil), resp.Header[trailerPrefix+name]...)
+	}
 }
 
 // execute runs the next handler for a request that owns its key, and
@@ -566,7 +700,17 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
 	// ExecutionTimeout, counted from the disconnect.
-	execCtx, cancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	//
+	// The context also marks the request as protected (for a nested
+	// handler), and carries a trace that notes whether any attempt got a
+	// connection to an upstream: reverse_proxy sends its requests, and
+	// every lb_retries attempt, on the request's context, and Go's
+	// transport (HTTP/1 and HTTP/2) reports a connection before it
+	// writes anything to it.
+	trace := new(reachTrace)
+	trace.trace.GotConn = func(httptrace.GotConnInfo) { trace.reached.Store(true) }
+	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
+		context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true), &trace.trace))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -604,13 +748,23 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	r.Body = http.NoBody
 
 	if err != nil && !rec.wroteHeader {
-		if execCtx.Err() == nil && nothingExecuted(err) {
-			h.release(rk, token, key, credID, r, err)
-			repl.Set("http.idempotency.result", h.result(resultReleased))
+		_, proxied := repl.Get(upstreamPlaceholder)
+		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
+			result := resultReleased
+			if !h.release(rk, token, key, credID, r, err) {
+				result = resultStoreError
+			}
+			repl.Set("http.idempotency.result", h.result(result))
 			return err
 		}
-		// The upstream may have acted on the request: storing this
-		// answer is what keeps a retry from running it a second time.
+	}
+	resp := rec.response(h.excluded)
+	// An error before any response, or a cut-off execution (reverse_proxy
+	// answers 499 when execution_timeout cancels it, with nothing the
+	// retry could use), leaves the outcome unknown: the upstream may
+	// have acted on the request. Storing that answer is what keeps a
+	// retry from running it a second time.
+	if err != nil && !rec.wroteHeader || execCtx.Err() != nil || rec.status == statusClientClosedRequest {
 		p := probOutcomeUnknown.worded(h.words)
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode >= 500 {
@@ -618,13 +772,26 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", r.URL.Path), zap.Error(err))
-		p.write(rec, 0)
+			zap.String("method", r.Method), zap.String("path", r.URL.Path),
+			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
+		if !rec.wroteHeader && !h.Shadow {
+			p.write(rec, 0)
+		}
+		resp = p.response()
 	}
 
-	h.complete(rk, token, key, credID, r, rec.response(h.excluded), lockedAt)
+	h.complete(rk, token, key, credID, r, resp, lockedAt)
+	if h.Shadow {
+		// Shadow mode changes no response: the error goes on to the
+		// site's error handling, as it would without this handler.
+		return err
+	}
 	return nil
 }
+
+// statusClientClosedRequest is what reverse_proxy writes when its
+// request's context is cancelled.
+const statusClientClosedRequest = 499
 
 // serveRecovering calls next, and returns what it panicked with, if it
 // did, instead of panicking.
@@ -633,26 +800,43 @@ func serveRecovering(next caddyhttp.Handler, w http.ResponseWriter, r *http.Requ
 	return nil, next.ServeHTTP(w, r)
 }
 
-// nothingExecuted reports whether err proves that the request never
-// reached an upstream, so releasing its key cannot cause a second
-// execution.
-func nothingExecuted(err error) bool {
+// reachTrace notes whether a request got a connection to an upstream;
+// one allocation for the trace and its flag.
+type reachTrace struct {
+	trace   httptrace.ClientTrace
+	reached atomic.Bool
+}
+
+// upstreamPlaceholder is set by reverse_proxy (and php_fastcgi,
+// forward_auth) for every upstream it tries, before it dials.
+const upstreamPlaceholder = "http.reverse_proxy.upstream.address"
+
+// nothingExecuted reports whether err, returned without a response by a
+// request that got no connection to any upstream, proves that the
+// request never reached one, so that releasing its key cannot cause a
+// second execution. proxied says whether a reverse_proxy picked an
+// upstream for the request (or for an earlier one on its replacer).
+func nothingExecuted(err error, proxied bool) bool {
+	// A dial error, or reverse_proxy's "no upstreams available" (a 503
+	// without a dial error): the last attempt sent nothing, and the trace
+	// says no earlier one did.
 	var dialErr reverseproxy.DialError
 	if errors.As(err, &dialErr) {
 		return true
 	}
 	var he caddyhttp.HandlerError
-	if errors.As(err, &he) {
-		// reverse_proxy's "no upstreams available" is a 503 without a
-		// dial error; a 4xx is a handler refusing the request (a
-		// static error, request_body's limit). 499 is reverse_proxy's
-		// "canceled" after the request may have been sent.
-		if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
-			return true
-		}
-		return he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
+	if !errors.As(err, &he) {
+		return false
 	}
-	return false
+	if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
+		return true
+	}
+	// A 4xx is a handler refusing the request (a static error, a rate
+	// limit), unless a reverse_proxy took part: handle_response's
+	// `error` answers after the upstream acted, and a transport that no
+	// trace sees (FastCGI) may have sent the request. 499 is
+	// reverse_proxy's "canceled" after the request may have been sent.
+	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
 }
 
 // keepLock renews the lock while the request runs, so that a request
@@ -784,8 +968,10 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	}
 }
 
-// release deletes the record of a request that never executed.
-func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) {
+// release deletes the record of a request that never executed. It
+// reports false if the store failed: the record is then still in
+// progress, until its lock goes stale.
+func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	switch err := h.store.Release(ctx, rk, token); {
@@ -795,15 +981,16 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 			zap.String("key", key), zap.String("credential_id", credID),
 			zap.String("method", r.Method), zap.String("path", r.URL.Path),
 			zap.String("during", "release"))
-		return
+		return true
 	case err != nil:
 		h.storeError("release", key, credID, r, err)
-		return
+		return false
 	}
 	h.logger.Info("idempotency.release",
 		zap.String("key", key), zap.String("credential_id", credID),
 		zap.String("method", r.Method), zap.String("path", r.URL.Path),
 		zap.NamedError("cause", cause))
+	return true
 }
 
 func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
@@ -906,18 +1093,16 @@ func hideKeyFromTransport(header http.Header) {
 	}
 }
 
-func isUpgrade(r *http.Request) bool {
-	if r.Header.Get("Upgrade") == "" {
-		return false
-	}
-	for _, v := range r.Header.Values("Connection") {
-		for _, tok := range strings.Split(v, ",") {
-			if strings.EqualFold(strings.TrimSpace(tok), "upgrade") {
-				return true
-			}
-		}
-	}
-	return false
+// protectedCtxKey marks the context of a request that an idempotency
+// handler protects.
+type protectedCtxKey struct{}
+
+// markProtected returns r marked as protected, for a request that this
+// handler hands on without executing it (fail_open, shadow): its key
+// header may be re-filed, so an inner handler must pass it through too.
+// execute marks its own context.
+func markProtected(r *http.Request) *http.Request {
+	return r.WithContext(context.WithValue(r.Context(), protectedCtxKey{}, true))
 }
 
 // Interface guards

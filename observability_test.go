@@ -30,7 +30,7 @@ func TestLogLines(t *testing.T) {
 		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
 		%s
 		replay_cache off
-		prune_interval 100ms
+		prune_interval 1s
 	}
 	reverse_proxy %s
 }

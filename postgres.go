@@ -190,6 +190,7 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	s.poolKey = key
 	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
 	s.sql = newPostgresSQL(s.table.quoted())
+	warnAsyncReplication(ctx, s.pool, s.logger)
 
 	if s.Migrate == nil || *s.Migrate {
 		n, err := Migrate(ctx, s.pool, s.table.String())

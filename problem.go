@@ -78,7 +78,12 @@ var (
 		Type:   problemTypeBase + "not-replayable",
 		Title:  "Response not replayable",
 		Status: http.StatusConflict,
-		Detail: "the request with this Idempotency-Key was executed, but its response was too large to store, so it cannot be replayed; the request will not be executed again: look up its result another way, or use a new key for a new request",
+		Detail: "the request with this Idempotency-Key was executed, but its response cannot be replayed (it was too large to store, or it switched protocols); the request will not be executed again: look up its result another way, or use a new key for a new request",
+	}
+	probEncodingNotAcceptable = problem{
+		Type:   problemTypeBase + "encoding-not-acceptable",
+		Title:  "Stored response encoding not acceptable",
+		Status: http.StatusNotAcceptable,
 	}
 	probStoreUnavailable = problem{
 		Type:   problemTypeBase + "store-unavailable",

@@ -4,6 +4,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -60,8 +61,11 @@ func (rec *recorder) WriteHeader(status int) {
 	rec.status = status
 	rec.header = rec.ResponseWriter.Header().Clone()
 	if cl := rec.header.Get("Content-Length"); cl != "" {
+		// A declared length is a promise, not bytes: at most a first
+		// chunk is allocated for it, and append grows the copy with what
+		// arrives.
 		if n, err := strconv.ParseInt(cl, 10, 64); err == nil && n >= 0 && n <= rec.limit {
-			rec.body = make([]byte, 0, n)
+			rec.body = make([]byte, 0, min(n, initialBodyBuffer))
 		}
 	}
 	rec.ResponseWriter.WriteHeader(status)
@@ -123,8 +127,14 @@ func (rec *recorder) FlushError() error {
 // Flush implements http.Flusher for handlers that type-assert it.
 func (rec *recorder) Flush() { _ = rec.FlushError() }
 
+// trailerPrefix prefixes the trailers among a stored response's headers.
+// A colon never appears in a field name, so no header can be taken for a
+// trailer, nor a trailer for a header.
+const trailerPrefix = "Trailer:"
+
 // response returns what the store keeps: headers minus excluded ones,
-// and the body unless it outgrew the limit.
+// trailers, and the body, unless headers, trailers and body together
+// outgrew the limit or the response switched protocols.
 func (rec *recorder) response(excluded map[string]struct{}) *Response {
 	status := rec.status
 	header := rec.header
@@ -134,25 +144,58 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 		// gives.
 		status = http.StatusOK
 		header = rec.ResponseWriter.Header().Clone()
+	} else {
+		rec.addTrailers(header)
 	}
-	for name := range header {
-		if _, skip := excluded[http.CanonicalHeaderKey(name)]; skip {
+	size := rec.size
+	for name, values := range header {
+		canonical := http.CanonicalHeaderKey(strings.TrimPrefix(name, trailerPrefix))
+		if _, skip := excluded[canonical]; skip {
 			delete(header, name)
+			continue
+		}
+		size += int64(len(name))
+		for _, v := range values {
+			size += int64(len(v))
 		}
 	}
+	// A 101 handed the connection to another protocol: what followed
+	// went past the recorder, and a replayed 101 would open no tunnel.
+	replayable := !rec.overflow && size <= rec.limit && status != http.StatusSwitchingProtocols
 	resp := &Response{
 		Status:     status,
 		Header:     header,
 		BodySize:   rec.size,
-		Replayable: !rec.overflow,
+		Replayable: replayable,
 	}
-	if !rec.overflow {
+	if replayable {
 		resp.Body = rec.body
 		if resp.Body == nil {
 			resp.Body = []byte{}
 		}
 	}
 	return resp
+}
+
+// addTrailers files the trailers the next handler set after the body
+// into header, under trailerPrefix: those declared by the Trailer header
+// when the header was written, and those set with http.TrailerPrefix.
+func (rec *recorder) addTrailers(header http.Header) {
+	live := rec.ResponseWriter.Header()
+	for _, v := range header["Trailer"] {
+		for _, name := range strings.Split(v, ",") {
+			name = http.CanonicalHeaderKey(strings.TrimSpace(name))
+			if values := live[name]; name != "" && len(values) > 0 {
+				header[trailerPrefix+name] = append([]string(nil), values...)
+			}
+		}
+	}
+	for name, values := range live {
+		if after, ok := strings.CutPrefix(name, http.TrailerPrefix); ok && after != "" && len(values) > 0 {
+			key := trailerPrefix + http.CanonicalHeaderKey(after)
+			header[key] = append(header[key], values...)
+		}
+	}
 }
 
 // Interface guards

@@ -1,0 +1,182 @@
+package idempotency
+
+// When a key may be released: only when no request can have reached an
+// upstream. A release lets the retry execute; wrongly given, it executes
+// a request a second time.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+)
+
+// handle_response's `error` answers after the upstream acted: a 402 from
+// it is no proof that nothing ran. Catches releasing on any 4xx handler
+// error (three identical POSTs were three executions).
+func TestHandleResponseErrorIsNotReleased(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s {
+		@declined status 402
+		handle_response @declined {
+			error "payment declined" 402
+		}
+	}
+}
+`, port, sb.Block(), up.Addr()))
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Status": "402"}}
+		first := s.Do(t, c)
+		if first.replayed() {
+			t.Fatalf("first: %s, a replay", first)
+		}
+		for i := range 2 {
+			if r := s.Do(t, c); !r.replayed() {
+				t.Errorf("retry %d after the upstream declined: %s, want the stored answer replayed", i+1, r)
+			}
+		}
+		wantCount(t, up, 1)
+	})
+}
+
+// With lb_retries (and a retry_match that lets POST be retried), an
+// attempt that reached an upstream, then a dial error on the next one:
+// the error is a dial error, but the first attempt may have executed.
+func TestDialErrorAfterAnAttemptThatReachedIsNotReleased(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		dead := fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+		// lb_policy first and max_fails 1: the first attempt goes to the
+		// live upstream, which marks itself down by failing; the second
+		// to the dead port. After fail_duration the live one is first
+		// again, for a retry that a release would let execute.
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s %s {
+		lb_policy first
+		lb_retries 1
+		lb_retry_match {
+			method POST
+		}
+		fail_duration 1s
+		max_fails 1
+	}
+}
+`, port, sb.Block(), up.Addr(), dead))
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Crash": "1"}}
+		if r := s.Do(t, c); r.Status < 500 {
+			t.Fatalf("first: %s, want a 5xx", r)
+		}
+		wantCount(t, up, 1)
+		time.Sleep(1200 * time.Millisecond) // past fail_duration
+		if r := s.Do(t, c); !r.replayed() {
+			t.Errorf("retry after an attempt that reached the upstream: %s, want the stored answer replayed", r)
+		}
+		wantCount(t, up, 1)
+	})
+}
+
+// A dial error on an upstream nothing was sent to releases the key: the
+// retry executes once the upstream is up.
+func TestDialErrorReleasesAndRetryExecutes(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		addr := fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+		s := protectedSite(t, sb, addr)
+		c := call{Key: newKey(), Body: payBody()}
+		if r := s.Do(t, c); r.Status != http.StatusBadGateway || r.replayed() {
+			t.Fatalf("first, upstream down: %s, want a fresh 502", r)
+		}
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		up := &upstream{gates: make(map[string]chan struct{})}
+		up.Server = httptest.NewUnstartedServer(http.HandlerFunc(up.serve))
+		up.Server.Listener.Close()
+		up.Server.Listener = ln
+		up.Server.Start()
+		t.Cleanup(up.Server.Close)
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, c), first)
+		wantCount(t, up, 1)
+	})
+}
+
+// A handler that refuses the request before any upstream is tried (a
+// static error, a rate limit) releases the key: the retry executes.
+func TestStaticErrorBeforeProxyReleases(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	route {
+		error @busy "slow down" 429
+		reverse_proxy %s
+	}
+	@busy header X-Busy 1
+}
+`, port, sb.Block(), up.Addr()))
+		c := call{Key: newKey(), Body: payBody()}
+		busy := c
+		busy.Header = map[string]string{"X-Busy": "1"}
+		if r := s.Do(t, busy); r.Status != http.StatusTooManyRequests || r.replayed() {
+			t.Fatalf("refused: %s, want a fresh 429", r)
+		}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, c), first)
+		wantCount(t, up, 1)
+	})
+}
+
+// failingRelease is a store whose releases fail.
+type failingRelease struct{ Store }
+
+func (failingRelease) Release(context.Context, RecordKey, LockToken) error {
+	return errors.New("store down")
+}
+
+// A release that the store refused leaves the record in progress: the
+// result says store_error, not released.
+func TestFailedReleaseResultIsStoreError(t *testing.T) {
+	h, _, _ := lockHandler(t, 30*time.Second)
+	h.store = failingRelease{h.store}
+	repl := caddy.NewReplacer()
+	r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{"amount":1}`))
+	r.Header.Set("Idempotency-Key", "failed-release-"+runID)
+	r.Header.Set("Authorization", defaultCred)
+	r = r.WithContext(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
+	var calls atomic.Int32
+	undialable := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		calls.Add(1)
+		return caddyhttp.Error(http.StatusBadGateway, reverseproxy.NewDialError(errors.New("connection refused")))
+	})
+	if err := h.ServeHTTP(httptest.NewRecorder(), r, undialable); err == nil {
+		t.Fatal("the dial error was not returned")
+	}
+	if got, _ := repl.GetString("http.idempotency.result"); got != resultStoreError {
+		t.Errorf("result %q after a failed release, want %q", got, resultStoreError)
+	}
+}

@@ -1,0 +1,349 @@
+package idempotency
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// handlerUpstream is an upstream that answers with fn.
+func handlerUpstream(t *testing.T, fn http.HandlerFunc) string {
+	t.Helper()
+	srv := httptest.NewServer(fn)
+	t.Cleanup(func() {
+		srv.CloseClientConnections()
+		srv.Close()
+	})
+	return strings.TrimPrefix(srv.URL, "http://")
+}
+
+// wantReplayedProblem asserts that r is a replay of a problem the module
+// stored, of the given type.
+func wantReplayedProblem(t *testing.T, r reply, status int, typ string) {
+	t.Helper()
+	if r.Status != status || !strings.HasPrefix(r.Header.Get("Content-Type"), "application/problem+json") {
+		t.Fatalf("got %s, want a %d problem", r, status)
+	}
+	var p problemDoc
+	if err := json.Unmarshal(r.Body, &p); err != nil || !strings.HasSuffix(p.Type, "#"+typ) {
+		t.Errorf("problem type %q (%v), want #%s", p.Type, err, typ)
+	}
+	if !r.replayed() {
+		t.Errorf("the stored problem is not marked as a replay: %v", r.Header)
+	}
+}
+
+// execution_timeout cancels the detached work; reverse_proxy then writes
+// a bare 499. The retry must get the stored outcome-unknown problem, not
+// an empty 499.
+func TestExecutionTimeoutStoresOutcomeUnknown(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "execution_timeout 1s")
+		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(4 * time.Second)}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			_, _ = s.DoCtx(ctx, c)
+		}()
+		up.WaitStarted(t, 1)
+		time.Sleep(50 * time.Millisecond)
+		cancel()
+		<-done
+		up.WaitEnded(t, 1)
+		r := pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
+		wantReplayedProblem(t, r, http.StatusBadGateway, "outcome-unknown")
+		wantCount(t, up, 1)
+	})
+}
+
+// Trailers (gRPC's status lives there) are stored and replayed as
+// trailers: declared ones and those set with http.TrailerPrefix.
+func TestTrailersReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Trailer", "Grpc-Status, Grpc-Message")
+			w.Header().Set("Content-Type", "application/grpc")
+			w.WriteHeader(http.StatusOK)
+			_, _ = io.WriteString(w, "payload")
+			w.Header().Set("Grpc-Status", "0")
+			w.Header().Set("Grpc-Message", "ok")
+			w.Header().Set(http.TrailerPrefix+"X-Undeclared", "late")
+		})
+		s := protectedSite(t, sb, addr)
+		c := call{Key: newKey(), Body: payBody()}
+		do := func() (*http.Response, []byte) {
+			req, err := s.request(context.Background(), c)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp, err := s.client.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			b, err := io.ReadAll(resp.Body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return resp, b
+		}
+		want := http.Header{"Grpc-Status": {"0"}, "Grpc-Message": {"ok"}, "X-Undeclared": {"late"}}
+		for i, name := range []string{"first", "replay"} {
+			resp, body := do()
+			if string(body) != "payload" || (i == 1) != (resp.Header.Get("Idempotent-Replay") == "true") {
+				t.Fatalf("%s: %d %v %q", name, resp.StatusCode, resp.Header, body)
+			}
+			for k, v := range want {
+				if got := resp.Trailer.Values(k); !equalStrings(got, v) {
+					t.Errorf("%s: trailer %s = %q, want %q (trailers %v)", name, k, got, v, resp.Trailer)
+				}
+				if got := resp.Header.Values(k); len(got) != 0 {
+					t.Errorf("%s: %s sent as a header too: %q", name, k, got)
+				}
+			}
+		}
+	})
+}
+
+// A POST that the upstream upgrades (101) hands the connection to another
+// protocol: its record is not replayable, never a bare 101.
+func TestUpgradedResponseNotReplayable(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			conn, brw, err := http.NewResponseController(w).Hijack()
+			if err != nil {
+				return
+			}
+			defer conn.Close()
+			_, _ = brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nUpgrade: tunnel\r\nConnection: Upgrade\r\n\r\nhello")
+			_ = brw.Flush()
+			time.Sleep(50 * time.Millisecond)
+		})
+		s := protectedSite(t, sb, addr)
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"Upgrade": "tunnel", "Connection": "Upgrade"}}
+		req, err := s.request(context.Background(), c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp, err := s.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if resp.StatusCode != http.StatusSwitchingProtocols {
+			t.Fatalf("first: %d, want 101", resp.StatusCode)
+		}
+		_, _ = io.ReadAll(resp.Body)
+		resp.Body.Close()
+		r := pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
+		wantProblem(t, r, http.StatusConflict)
+		var p problemDoc
+		_ = json.Unmarshal(r.Body, &p)
+		if !strings.HasSuffix(p.Type, "#not-replayable") {
+			t.Errorf("problem type %q, want #not-replayable", p.Type)
+		}
+	})
+}
+
+// A stored gzip body is never replayed to a client that does not accept
+// gzip: it is decoded for it; another coding it does not accept is 406.
+func TestReplayHonoursAcceptEncoding(t *testing.T) {
+	plain := bytes.Repeat([]byte("the stored body "), 100)
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	_, _ = zw.Write(plain)
+	_ = zw.Close()
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "text/plain")
+			w.Header().Set("X-Kept", "yes")
+			if r.URL.Path == "/br" {
+				w.Header().Set("Content-Encoding", "br")
+				_, _ = w.Write([]byte("not really brotli"))
+				return
+			}
+			w.Header().Set("Content-Encoding", "gzip")
+			w.Header().Set("Content-Length", fmt.Sprint(gz.Len()))
+			_, _ = w.Write(gz.Bytes())
+		})
+		s := protectedSite(t, sb, addr)
+		ae := func(v string) map[string]string { return map[string]string{"Accept-Encoding": v} }
+		c := call{Key: newKey(), Body: payBody(), Header: ae("gzip")}
+		first := s.Do(t, c)
+		if first.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(first.Body, gz.Bytes()) {
+			t.Fatalf("first answer is not the upstream's gzip body: %s", first)
+		}
+		for _, v := range []string{"identity", "br", "gzip;q=0", "gzip;q=0, identity;q=0.5", ""} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			if !r.replayed() || r.Header.Get("Content-Encoding") != "" || !bytes.Equal(r.Body, plain) {
+				t.Errorf("Accept-Encoding %q: want the decoded body, got %d %v %d bytes", v, r.Status, r.Header, len(r.Body))
+			}
+			if r.Header.Get("X-Kept") != "yes" || r.Header.Get("Content-Type") != "text/plain" {
+				t.Errorf("Accept-Encoding %q: decoding dropped other headers: %v", v, r.Header)
+			}
+		}
+		for _, v := range []string{"gzip", "x-gzip", "GZIP;q=0.5", "*", "br;q=1, *;q=0.1"} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			if !r.replayed() || r.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(r.Body, gz.Bytes()) {
+				t.Errorf("Accept-Encoding %q: want the stored gzip body, got %d %v", v, r.Status, r.Header)
+			}
+		}
+		for _, v := range []string{"identity;q=0", "*;q=0", "br, *;q=0"} {
+			r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae(v)})
+			wantProblem(t, r, http.StatusNotAcceptable)
+		}
+		br := call{Path: "/br", Key: newKey(), Body: payBody(), Header: ae("br")}
+		if first := s.Do(t, br); first.Header.Get("Content-Encoding") != "br" {
+			t.Fatalf("first /br answer: %s", first)
+		}
+		wantProblem(t, s.Do(t, call{Path: br.Path, Key: br.Key, Body: br.Body, Header: ae("gzip")}), http.StatusNotAcceptable)
+	})
+}
+
+func TestAcceptsEncoding(t *testing.T) {
+	for _, tc := range []struct {
+		accept []string // nil: no Accept-Encoding at all
+		coding string
+		want   bool
+	}{
+		{nil, "gzip", true},
+		{nil, "br", true},
+		{[]string{""}, "gzip", false},
+		{[]string{""}, "identity", true},
+		{[]string{"gzip"}, "gzip", true},
+		{[]string{"deflate", "gzip;q=0.1"}, "gzip", true},
+		{[]string{"x-gzip"}, "gzip", true},
+		{[]string{"gzip"}, "x-gzip", true},
+		{[]string{"gzip; q=0"}, "gzip", false},
+		{[]string{"gzip;q=0.000"}, "gzip", false},
+		{[]string{"gzip;q=bogus"}, "gzip", false},
+		{[]string{"*"}, "br", true},
+		{[]string{"*;q=0"}, "br", false},
+		{[]string{"*;q=0"}, "identity", false},
+		{[]string{"identity;q=1, *;q=0"}, "identity", true},
+		{[]string{"identity;q=0"}, "identity", false},
+		{[]string{"br"}, "identity", true},
+		{[]string{"gzip, br"}, "gzip, br", true},
+		{[]string{"gzip"}, "gzip, br", false},
+	} {
+		h := http.Header{}
+		if tc.accept != nil {
+			h["Accept-Encoding"] = tc.accept
+		}
+		if got := acceptsEncoding(h, tc.coding); got != tc.want {
+			t.Errorf("Accept-Encoding %q, coding %q: %v, want %v", tc.accept, tc.coding, got, tc.want)
+		}
+	}
+}
+
+// Shadow mode changes no response: an upstream failure reaches the
+// site's handle_errors, not the module's 502 problem.
+func TestShadowKeepsErrorHandling(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		for _, tc := range []struct{ name, upstream string }{
+			{"upstream fails after the request", up.Addr()},
+			{"upstream unreachable", fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				port := freeTCPPort(t)
+				s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		shadow
+	}
+	reverse_proxy %s
+	handle_errors {
+		respond "custom error page" 502
+	}
+}
+`, port, sb.Block(), tc.upstream))
+				r := s.Do(t, call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Crash": "1"}})
+				if r.Status != http.StatusBadGateway || string(r.Body) != "custom error page" {
+					t.Errorf("got %s, want the site's error page", r)
+				}
+			})
+		}
+	})
+}
+
+// A replay keeps the headers that handlers around the directive set on
+// this request and that the record does not hold (a Set-Cookie from a
+// `header` directive), without doubling those it does hold.
+func TestReplayKeepsOuterHeaders(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	header Set-Cookie "outer=1; Path=/"
+	header X-Frame-Options DENY
+	header X-Request-Id {http.request.uuid}
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), up.Addr()))
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Extra": "1"}}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		r := s.Do(t, c)
+		if !r.replayed() || r.Header.Get("X-Execution-Id") != first.Header.Get("X-Execution-Id") {
+			t.Fatalf("not a replay: %s", r)
+		}
+		if got := r.Header.Values("Set-Cookie"); !equalStrings(got, []string{"outer=1; Path=/"}) {
+			t.Errorf("replay Set-Cookie = %q, want only the outer handler's", got)
+		}
+		if got := r.Header.Values("X-Frame-Options"); !equalStrings(got, []string{"DENY"}) {
+			t.Errorf("replay X-Frame-Options = %q, want [DENY] once", got)
+		}
+		if got, want := r.Header.Values("X-Request-Id"), first.Header.Values("X-Request-Id"); !equalStrings(got, want) {
+			t.Errorf("replay X-Request-Id = %q, want the stored %q", got, want)
+		}
+	})
+}
+
+// Stored headers count toward max_response_body, trailers too: a
+// response whose headers outgrow it is not replayable.
+func TestHeadersCountTowardResponseLimit(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		// Each part alone fits max_response_body; together they do not.
+		// (Go's client refuses trailers much over 4KiB.)
+		big := strings.Repeat("h", 3<<10)
+		body := strings.Repeat("b", 3<<10)
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			if r.URL.Path == "/trailer" {
+				w.Header().Set("Trailer", "X-Big")
+				_, _ = io.WriteString(w, body)
+				w.Header().Set("X-Big", big)
+				return
+			}
+			w.Header().Set("X-Big", big)
+			_, _ = io.WriteString(w, body)
+		})
+		s := protectedSite(t, sb, addr, "max_response_body 4KiB")
+		for _, path := range []string{"/header", "/trailer"} {
+			c := call{Path: path, Key: newKey(), Body: payBody()}
+			if first := s.Do(t, c); first.Status != http.StatusOK || string(first.Body) != body {
+				t.Fatalf("%s: first answer %s", path, first)
+			}
+			p := wantProblem(t, s.Do(t, c), http.StatusConflict)
+			if !strings.HasSuffix(p.Type, "#not-replayable") {
+				t.Errorf("%s: problem %q, want #not-replayable", path, p.Type)
+			}
+		}
+	})
+}
