@@ -435,7 +435,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				zap.String("method", r.Method), zap.String("path", r.URL.Path))
 			repl.Set("http.idempotency.result", resultFailOpen)
 			hideKeyFromTransport(r.Header)
-			return next.ServeHTTP(w, r)
+			return next.ServeHTTP(w, markProtected(r))
 		}
 		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	case idProb != nil:
