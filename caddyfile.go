@@ -42,6 +42,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    key_header         <name>
 //	    credential_header  <name>
 //	    credential         <placeholder>
+//	    credential_secret  <secret>
 //	    methods            <method...>
 //	    optional
 //	    retention          <duration>
@@ -81,7 +82,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "credential_header":
 			err = oneArg(d, &h.CredentialHeader)
 		case "credential":
-			err = oneArg(d, &h.Credential)
+			if err = oneArg(d, &h.Credential); err == nil && !hasPlaceholder(h.Credential) {
+				return d.Errf("idempotency: credential %q holds no placeholder: every caller would share one scope, and see the others' responses under their keys; use a placeholder that identifies the caller, such as {http.auth.user.id}", h.Credential)
+			}
+		case "credential_secret":
+			if err = oneArg(d, &h.CredentialSecret); err == nil && !hasPlaceholder(h.CredentialSecret) {
+				if err := checkCredentialSecret(h.CredentialSecret); err != nil {
+					return d.Errf("idempotency: %v", err)
+				}
+			}
 		case "methods":
 			h.Methods = d.RemainingArgs()
 			if len(h.Methods) == 0 {

@@ -22,6 +22,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -57,10 +58,11 @@ Operates the Postgres store of the idempotency handler (http.handlers.idempotenc
 The database is --dsn, or else the environment variable IDEMPOTENCY_DSN, or
 else DATABASE_URL. --table is the store's table (default idempotency_keys).
 
-A credential is named by --credential-id, the hex prefix of its SHA-256 that
-the handler's log lines print as credential_id, or by --credential, its raw
-value (for example "Bearer sk_live_..."), which is hashed here and sent
-nowhere.
+A credential is named by --credential-id, the hex prefix of its keyed hash
+that the handler's log lines print as credential_id, or by --credential, its
+raw value (for example "Bearer sk_live_..."), which is hashed here and sent
+nowhere, under the table's stored secret, or under --credential-secret when
+the handlers are configured with credential_secret.
 
 Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 2 usage error (nothing was done); 3 no such record (inspect, release).`,
@@ -181,6 +183,9 @@ record of the key whose credential hash starts with it is shown.`,
 				return code, err
 			}
 			defer db.pool.Close()
+			if err := db.hashCredential(ctx, &target); err != nil {
+				return exitError, err
+			}
 			recs, err := db.find(ctx, target)
 			if err != nil {
 				return exitError, err
@@ -234,6 +239,9 @@ request with its key executes again instead of being replayed.`,
 				return code, err
 			}
 			defer db.pool.Close()
+			if err := db.hashCredential(ctx, &target); err != nil {
+				return exitError, err
+			}
 			return db.release(ctx, target, fl.Bool("force"), out)
 		}),
 	}
@@ -244,16 +252,21 @@ request with its key executes again instead of being replayed.`,
 
 func cliTargetFlags(cmd *cobra.Command) {
 	cmd.Flags().String("key", "", "the Idempotency-Key, as the client sent it")
-	cmd.Flags().String("credential-id", "", "the credential_id of the log lines: a hex prefix of the credential's SHA-256, 12 to 64 digits")
+	cmd.Flags().String("credential-id", "", "the credential_id of the log lines: a hex prefix of the credential's keyed hash, 12 to 64 digits")
 	cmd.Flags().String("credential", "", "the raw credential (e.g. the Authorization value), or - to read it from stdin; hashed here, sent nowhere")
+	cmd.Flags().String("credential-secret", "", "with --credential: the handlers' credential_secret, if they have one (placeholders such as {env.IDEMPOTENCY_SECRET} work); default: the table's stored secret")
 }
 
 // cliTarget names the records of one key whose credential hash starts
-// with prefix.
+// with prefix. A target named by its raw credential has no prefix until
+// hashCredential hashes it, under secret or the table's.
 type cliTarget struct {
 	key    string
 	prefix []byte
 	id     string // the prefix as the operator wrote it, for messages
+
+	credential string
+	secret     []byte
 }
 
 func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
@@ -279,8 +292,20 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 			}
 			credential = strings.TrimRight(line, "\r\n")
 		}
-		sum := sha256.Sum256([]byte(credential))
-		return cliTarget{key: key, prefix: sum[:], id: credentialID(sum)}, nil
+		if credential == "" {
+			return cliTarget{}, errors.New("--credential: the credential is empty")
+		}
+		target := cliTarget{key: key, credential: credential}
+		if raw := fl.String("credential-secret"); raw != "" {
+			secret := caddy.NewReplacer().ReplaceKnown(raw, "")
+			if err := checkCredentialSecret(secret); err != nil {
+				return cliTarget{}, fmt.Errorf("--credential-secret: %v", err)
+			}
+			target.secret = []byte(secret)
+		}
+		return target, nil
+	case fl.String("credential-secret") != "":
+		return cliTarget{}, errors.New("--credential-secret goes with --credential: a credential id is hashed already")
 	case id != "":
 		prefix, err := hex.DecodeString(id)
 		if err != nil || len(prefix) < 6 || len(prefix) > sha256.Size {
@@ -293,7 +318,31 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 }
 
 func (t cliTarget) notFound(table tableName) error {
+	if t.credential != "" && t.secret == nil {
+		return fmt.Errorf("%s: no record of key %q for credential id %s (hashed under the table's stored secret: if the handlers have credential_secret, pass it as --credential-secret)", table, t.key, t.id)
+	}
 	return fmt.Errorf("%s: no record of key %q for credential id %s", table, t.key, t.id)
+}
+
+// hashCredential hashes a target's raw credential as the handlers do.
+func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
+	if t.credential == "" {
+		return nil
+	}
+	secret := t.secret
+	if secret == nil {
+		stored, err := storedCredentialSecret(ctx, db.pool, db.table)
+		if err != nil {
+			return db.explain(fmt.Errorf("reading the credential secret: %w", err))
+		}
+		if stored == nil {
+			return fmt.Errorf("%s has no stored credential secret: no handler without credential_secret has used it yet; if the handlers have credential_secret, pass it as --credential-secret", db.table)
+		}
+		secret = stored
+	}
+	sum := newCredentialHasher(secret).hash(t.credential)
+	t.prefix, t.id = sum[:], credentialID(sum)
+	return nil
 }
 
 // prefixEnd returns the smallest byte string greater than every string

@@ -28,7 +28,7 @@ func replayCoding(r *http.Request, resp *Response) (gunzip bool, prob *problem) 
 		return true, nil
 	}
 	p := probEncodingNotAcceptable.withDetail(fmt.Sprintf(
-		"the stored response to this Idempotency-Key is encoded with %q, which this request's Accept-Encoding does not accept; retry accepting it", coding))
+		"the stored response to this request's key is encoded with %q, which this request's Accept-Encoding does not accept; retry accepting it", coding))
 	return false, &p
 }
 

@@ -24,7 +24,6 @@ package idempotency
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -367,7 +366,7 @@ func checkInvariant(t *testing.T, w *workload, plans []keyPlan, up *upstream, sb
 	// The table, by tenant|key.
 	tenantOf := make(map[string]string)
 	for _, cred := range invariantTenants {
-		sum := sha256.Sum256([]byte(cred))
+		sum := handlerCredentialHash(t, sb, cred)
 		tenantOf[hex.EncodeToString(sum[:])] = cred
 	}
 	type row struct {

@@ -74,6 +74,9 @@ func TestMetricsCount(t *testing.T) {
 	up := newUpstream(t)
 	pPG, pUndialable, pDown, admin := freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
 	down := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	// The down store's site has a secret of its own, so that its request
+	// gets as far as the acquire, without the store's.
+	t.Setenv("IDEMPOTENCY_TEST_METRICS_SECRET", randomHex(32))
 	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
 		%s
@@ -92,6 +95,7 @@ http://127.0.0.1:%d {
 			dsn %q
 			migrate off
 		}
+		credential_secret {env.IDEMPOTENCY_TEST_METRICS_SECRET}
 	}
 	reverse_proxy %s
 }

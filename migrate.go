@@ -296,12 +296,16 @@ var defaultTableIdents = regexp.MustCompile(`\b` + defaultTable + `(\w*)\b`)
 
 // render rewrites a migration written for the default table for t. A
 // derived name keeps its suffix: an index is named after its table, and
-// index names must be unique in a schema.
+// index names must be unique in a schema. The secret's table is a table,
+// qualified like t; an index's name must not be.
 func (t tableName) render(sql string) string {
 	return defaultTableIdents.ReplaceAllStringFunc(sql, func(ident string) string {
 		suffix := strings.TrimPrefix(ident, defaultTable)
-		if suffix == "" {
+		switch suffix {
+		case "":
 			return t.quoted()
+		case secretTableSuffix:
+			return t.secretTable()
 		}
 		return pgx.Identifier{derivedName(t.name, suffix)}.Sanitize()
 	})

@@ -6,7 +6,6 @@ package idempotency
 
 import (
 	"bytes"
-	"crypto/sha256"
 	"fmt"
 	"io"
 	"net/http"
@@ -121,31 +120,17 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		}
 	}
 
-	rawKey := r.Header.Get(h.KeyHeader)
-	if rawKey == "" && len(r.Header.Values(h.KeyHeader)) == 0 {
-		if h.Optional {
-			return pass(resultNoKey)
-		}
-		wouldReject("", probKeyMissing)
+	key, rk, idProb, err := h.identify(r, repl)
+	switch {
+	case err != nil:
+		h.storeError("credential_secret", key, "", r, err)
+		return pass(resultStoreError)
+	case idProb != nil:
+		wouldReject(key, *idProb)
 		return pass(resultRejected)
+	case key == "":
+		return pass(resultNoKey)
 	}
-	key, err := parseKey(rawKey)
-	if err != nil {
-		wouldReject("", probKeyMalformed)
-		return pass(resultRejected)
-	}
-	repl.Set("http.idempotency.key", key)
-	var credential string
-	if h.Credential != "" {
-		credential = repl.ReplaceAll(h.Credential, "")
-	} else {
-		credential = r.Header.Get(h.CredentialHeader)
-	}
-	if credential == "" {
-		wouldReject(key, probCredentialMissing)
-		return pass(resultRejected)
-	}
-	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
 	credID := credentialID(rk.CredentialHash)
 	body, prob := h.readBody(r)
 	if prob != nil {

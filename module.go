@@ -12,7 +12,6 @@ package idempotency
 
 import (
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -82,8 +81,19 @@ type Handler struct {
 	CredentialHeader string `json:"credential_header,omitempty"`
 
 	// A placeholder that identifies the caller instead of a header, such
-	// as {http.auth.user.id}. Takes precedence over CredentialHeader.
+	// as {http.auth.user.id}. Takes precedence over CredentialHeader. It
+	// must hold a placeholder: a constant would put every caller in one
+	// scope.
 	Credential string `json:"credential,omitempty"`
+
+	// The secret under which credentials are hashed (HMAC-SHA-256), at
+	// least 32 bytes; placeholders such as {env.IDEMPOTENCY_SECRET} are
+	// resolved at start, which keeps it out of the config. Every
+	// instance sharing a store must use the same one, and changing it
+	// makes every existing record unreachable. Default: the store's own
+	// (Postgres: 32 random bytes kept in the table <table>_secret,
+	// created by the first instance; memory: random per process).
+	CredentialSecret string `json:"credential_secret,omitempty"`
 
 	// The methods that are protected, compared case-insensitively;
 	// others pass through untouched. GET, HEAD, OPTIONS and TRACE are
@@ -172,6 +182,10 @@ type Handler struct {
 	logger    *zap.Logger
 	retrySecs int
 	metrics   handlerMetrics
+	credKey   *credentialKey
+	// words rewords the problems that name a header, for handlers with
+	// another key_header or credential_header.
+	words map[string]problemWording
 	// executing counts the requests that may own a record, from before
 	// their acquire is sent to their completion or release: the store
 	// keeps its connections for them when a reload unloads this handler
@@ -242,6 +256,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
 	h.store = mod.(Store)
+	if err := h.provisionCredentials(ctx, mod); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
+	}
+	h.words = wordProblems(h.KeyHeader, h.CredentialHeader)
 	h.executing = new(atomic.Int64)
 	if ps, ok := mod.(*PostgresStore); ok {
 		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
@@ -309,6 +327,9 @@ func (h *Handler) Validate() error {
 		if err := f.check(); err != nil {
 			return err
 		}
+	}
+	if h.Credential != "" && !hasPlaceholder(h.Credential) {
+		return fmt.Errorf("credential %q holds no placeholder: every caller would share one scope, and see the others' responses under their keys; use a placeholder that identifies the caller, such as {http.auth.user.id}", h.Credential)
 	}
 	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
 		if !validToken(name) {
@@ -404,32 +425,26 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.serveShadow(w, r, repl, next)
 	}
 
-	// 1. Key.
-	rawKey := r.Header.Get(h.KeyHeader)
-	if rawKey == "" && len(r.Header.Values(h.KeyHeader)) == 0 {
-		if h.Optional {
-			repl.Set("http.idempotency.result", resultNoKey)
-			return next.ServeHTTP(w, r)
+	// 1. Key, and 2. credential, hashed at once.
+	key, rk, idProb, err := h.identify(r, repl)
+	switch {
+	case err != nil:
+		h.storeError("credential_secret", key, "", r, err)
+		if h.OnStoreError == onStoreErrorFailOpen {
+			// The body is unread: it goes on as it came.
+			h.logger.Warn("idempotency.fail_open", zap.String("key", key), zap.String("credential_id", ""),
+				zap.String("method", r.Method), zap.String("path", r.URL.Path))
+			repl.Set("http.idempotency.result", resultFailOpen)
+			hideKeyFromTransport(r.Header)
+			return next.ServeHTTP(w, markProtected(r))
 		}
-		return h.reject(w, repl, "", probKeyMissing)
+		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
+	case idProb != nil:
+		return h.reject(w, repl, key, *idProb)
+	case key == "":
+		repl.Set("http.idempotency.result", resultNoKey)
+		return next.ServeHTTP(w, r)
 	}
-	key, err := parseKey(rawKey)
-	if err != nil {
-		return h.reject(w, repl, "", probKeyMalformed.withDetail(err.Error()))
-	}
-	repl.Set("http.idempotency.key", key)
-
-	// 2. Credential, hashed at once: the raw value goes no further.
-	var credential string
-	if h.Credential != "" {
-		credential = repl.ReplaceAll(h.Credential, "")
-	} else {
-		credential = r.Header.Get(h.CredentialHeader)
-	}
-	if credential == "" {
-		return h.reject(w, repl, key, probCredentialMissing)
-	}
-	rk := RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key}
 	credID := credentialID(rk.CredentialHash)
 
 	// 3. Body, read whole (bounded) and handed on intact.
@@ -726,7 +741,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 			zap.String("key", key), zap.String("credential_id", credID),
 			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Any("panic", panicked))
-		h.complete(rk, token, key, credID, r, probOutcomeUnknown.response(), lockedAt)
+		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), lockedAt)
 		panic(panicked)
 	}
 	// The body has been handed on (and read to its end): let it go
@@ -752,7 +767,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// have acted on the request. Storing that answer is what keeps a
 	// retry from running it a second time.
 	if err != nil && !rec.wroteHeader || execCtx.Err() != nil || rec.status == statusClientClosedRequest {
-		p := probOutcomeUnknown
+		p := probOutcomeUnknown.worded(h.words)
 		var he caddyhttp.HandlerError
 		if errors.As(err, &he) && he.StatusCode >= 500 {
 			p.Status = he.StatusCode
@@ -1012,7 +1027,8 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResul
 }
 
 // credentialID is how logs and the CLI name a credential: the first 6
-// bytes of its SHA-256, in hex, never the credential itself.
+// bytes of its keyed hash, in hex, which no dictionary can reproduce
+// without the secret.
 func credentialID(hash [32]byte) string {
 	return hex.EncodeToString(hash[:6])
 }
@@ -1045,7 +1061,7 @@ func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string
 
 func (h *Handler) finish(w http.ResponseWriter, repl *caddy.Replacer, result string, p problem, retryAfter int) error {
 	repl.Set("http.idempotency.result", result)
-	p.write(w, retryAfter)
+	p.worded(h.words).write(w, retryAfter)
 	return nil
 }
 

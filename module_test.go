@@ -8,7 +8,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
-	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
@@ -1294,11 +1293,12 @@ func TestLogs(t *testing.T) {
 		if replays[0]["key"] != c.Key || replays[0]["path"] != "/pay/x" || replays[0]["method"] != "POST" {
 			t.Errorf("idempotency.replay line: %v", replays[0])
 		}
-		// The credential id is a short prefix of the credential's hash, never the credential.
-		sum := sha256.Sum256([]byte(defaultCred))
+		// The credential id is a short prefix of the credential's keyed
+		// hash, never the credential, nor anything its unkeyed hash gives.
+		sum := handlerCredentialHash(t, storeBackend{Name: "memory"}, defaultCred)
 		credID, _ := replays[0]["credential_id"].(string)
 		if credID == "" || len(credID) >= 64 || !strings.HasPrefix(hex.EncodeToString(sum[:]), credID) {
-			t.Errorf("idempotency.replay credential_id = %q, want a short prefix of the credential's SHA-256", credID)
+			t.Errorf("idempotency.replay credential_id = %q, want a short prefix of the credential's keyed hash", credID)
 		}
 	})
 }

@@ -4,7 +4,6 @@ package idempotency
 
 import (
 	"bytes"
-	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
 	"net/http"
@@ -21,8 +20,14 @@ func TestLogLines(t *testing.T) {
 	up := newUpstream(t)
 	pPG, pUndialable, pDown, pOpen, pShadow := freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), freeTCPPort(t), freeTCPPort(t)
 	down := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	// One secret for every site: a credential then has one id in all
+	// their lines, whatever their store, and a store that is down still
+	// lets the handler name the credential.
+	logSecret := randomHex(32)
+	t.Setenv("IDEMPOTENCY_TEST_LOG_SECRET", logSecret)
 	srv := startCaddyfile(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
+		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
 		%s
 		replay_cache off
 		prune_interval 1s
@@ -30,11 +35,14 @@ func TestLogLines(t *testing.T) {
 	reverse_proxy %s
 }
 http://127.0.0.1:%d {
-	idempotency
+	idempotency {
+		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
+	}
 	reverse_proxy 127.0.0.1:%d
 }
 http://127.0.0.1:%d {
 	idempotency {
+		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
 		store postgres {
 			dsn %q
 			migrate off
@@ -44,6 +52,7 @@ http://127.0.0.1:%d {
 }
 http://127.0.0.1:%d {
 	idempotency {
+		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
 		store postgres {
 			dsn %q
 			migrate off
@@ -54,6 +63,7 @@ http://127.0.0.1:%d {
 }
 http://127.0.0.1:%d {
 	idempotency {
+		credential_secret {env.IDEMPOTENCY_TEST_LOG_SECRET}
 		shadow
 	}
 	reverse_proxy %s
@@ -62,7 +72,7 @@ http://127.0.0.1:%d {
 		pOpen, down, up.Addr(), pShadow, up.Addr()))
 	pg := newSiteClient(t, srv, pPG)
 	secret := "Bearer sk_test_" + randomHex(12)
-	sum := sha256.Sum256([]byte(secret))
+	sum := newCredentialHasher([]byte(logSecret)).hash(secret)
 	credID := hex.EncodeToString(sum[:6])
 
 	c := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"strings"
 )
 
 // problem is an RFC 9457 problem detail. Every response that this module
@@ -32,11 +33,23 @@ var (
 		Title:  "Malformed Idempotency-Key",
 		Status: http.StatusBadRequest,
 	}
+	probKeyDuplicate = problem{
+		Type:   problemTypeBase + "key-duplicate",
+		Title:  "Several Idempotency-Key values",
+		Status: http.StatusBadRequest,
+		Detail: "this request carries several Idempotency-Key header fields with different values, so it is unclear which key it means; nothing was executed: send the header once",
+	}
 	probCredentialMissing = problem{
 		Type:   problemTypeBase + "credential-missing",
 		Title:  "Credential required",
 		Status: http.StatusUnauthorized,
 		Detail: "idempotency keys are scoped to the caller's credential, and this request carries none; authenticate the request",
+	}
+	probCredentialDuplicate = problem{
+		Type:   problemTypeBase + "credential-duplicate",
+		Title:  "Several Authorization values",
+		Status: http.StatusBadRequest,
+		Detail: "this request carries several Authorization header fields with different values, so it is unclear whose request it is; nothing was executed: send the header once",
 	}
 	probBodyTooLarge = problem{
 		Type:   problemTypeBase + "body-too-large",
@@ -85,6 +98,48 @@ var (
 		Detail: "the upstream failed after the request was sent, so it may have been executed; this response is stored and replayed for this Idempotency-Key; check the result before using a new key",
 	}
 )
+
+// problemWording is a problem's title and detail as a handler words them
+// for its own header names.
+type problemWording struct {
+	title, detail string
+	// defaultDetail is the detail replaced: a problem given another
+	// detail (withDetail) keeps it.
+	defaultDetail string
+}
+
+// wordProblems words the problems that name a header for the handler's
+// key_header and credential_header, once, so that answering one costs a
+// map lookup, not building strings. It returns nil for the default
+// headers, whose wording the problems already have.
+func wordProblems(keyHeader, credentialHeader string) map[string]problemWording {
+	if keyHeader == defaultKeyHeader && credentialHeader == defaultCredentialHeader {
+		return nil
+	}
+	r := strings.NewReplacer(defaultKeyHeader, keyHeader)
+	words := make(map[string]problemWording)
+	for _, p := range []problem{
+		probKeyMissing, probKeyMalformed, probKeyDuplicate, probBodyUnreadable, probKeyReused,
+		probInProgress, probNotReplayable, probStoreUnavailable, probOutcomeUnknown,
+	} {
+		words[p.Type] = problemWording{title: r.Replace(p.Title), detail: r.Replace(p.Detail), defaultDetail: p.Detail}
+	}
+	p := probCredentialDuplicate
+	r = strings.NewReplacer(defaultCredentialHeader, credentialHeader)
+	words[p.Type] = problemWording{title: r.Replace(p.Title), detail: r.Replace(p.Detail), defaultDetail: p.Detail}
+	return words
+}
+
+// worded returns p as words words it.
+func (p problem) worded(words map[string]problemWording) problem {
+	if w, ok := words[p.Type]; ok {
+		p.Title = w.title
+		if p.Detail == w.defaultDetail {
+			p.Detail = w.detail
+		}
+	}
+	return p
+}
 
 // withDetail returns a copy of p with another detail.
 func (p problem) withDetail(detail string) problem {

@@ -93,8 +93,9 @@ var ErrStoreFull = errors.New("idempotency: store is full")
 // cannot succeed.
 var ErrUnstorable = errors.New("idempotency: the store cannot keep this response")
 
-// RecordKey identifies a record: the SHA-256 of the credential and the
-// client's Idempotency-Key. The raw credential never reaches a store.
+// RecordKey identifies a record: the keyed hash of the credential
+// (credential.go) and the client's Idempotency-Key. The raw credential
+// never reaches a store.
 type RecordKey struct {
 	CredentialHash [32]byte
 	Key            string

@@ -234,7 +234,7 @@ func freshTable(t testing.TB) string {
 			return
 		}
 		defer conn.Close(ctx)
-		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+name); err != nil {
+		if _, err := conn.Exec(ctx, "DROP TABLE IF EXISTS "+name+", "+name+secretTableSuffix); err != nil {
 			t.Errorf("dropping test table %s: %v", name, err)
 		}
 		_, err = conn.Exec(ctx, "DELETE FROM "+migrationsTable+" WHERE table_name = $1", name)

@@ -11,7 +11,7 @@
 -- safe to apply to a database that has it already.
 
 CREATE TABLE IF NOT EXISTS idempotency_keys (
-    -- SHA-256 of the client's credential: the raw credential is never stored.
+    -- HMAC-SHA-256 of the client's credential (see 0003): the raw credential is never stored.
     credential_hash  bytea       NOT NULL CHECK (octet_length(credential_hash) = 32),
     -- The client's Idempotency-Key.
     key              text        NOT NULL,

@@ -1,0 +1,256 @@
+package idempotency
+
+// Steps 1 and 2 of the request path: the key, and the caller's
+// credential, hashed with HMAC-SHA-256 under a secret. An unkeyed hash of
+// a Basic credential (or of any short token) is a password that a
+// dictionary recovers from the table or from a log line's credential_id;
+// under a secret that neither holds, it is not.
+
+import (
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"hash"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/jackc/pgx/v5"
+)
+
+// minCredentialSecret is the shortest credential_secret accepted, in
+// bytes: the key size of HMAC-SHA-256, out of reach of a guess.
+const minCredentialSecret = 32
+
+// secretTableSuffix names the table that keeps a Postgres table's default
+// secret (migrations/0003).
+const secretTableSuffix = "_secret"
+
+// secretTable is the quoted name of t's secret table, in t's schema.
+func (t tableName) secretTable() string {
+	return t.sibling(derivedName(t.name, secretTableSuffix))
+}
+
+// secretSource is a store that keeps a default credential secret, which
+// every handler sharing its records agrees on without configuration.
+type secretSource interface {
+	credentialSecret(ctx context.Context) ([]byte, error)
+}
+
+// memorySecret is the memory store's secret: its records live in this
+// process only, so a random secret of the process is shared by all of
+// them, across config reloads.
+var memorySecret = sync.OnceValue(func() []byte {
+	secret := make([]byte, minCredentialSecret)
+	_, _ = rand.Read(secret) // crypto/rand.Read never returns an error
+	return secret
+})
+
+func (m *MemoryStore) credentialSecret(context.Context) ([]byte, error) {
+	return memorySecret(), nil
+}
+
+// credentialSecret returns the table's secret, creating it if no
+// instance has yet. ON CONFLICT DO NOTHING makes instances that start
+// together agree on the first one's.
+func (s *PostgresStore) credentialSecret(ctx context.Context) ([]byte, error) {
+	fresh := make([]byte, minCredentialSecret)
+	_, _ = rand.Read(fresh)
+	if _, err := s.pool.Exec(ctx, `INSERT INTO `+s.table.secretTable()+` (secret) VALUES ($1) ON CONFLICT DO NOTHING`, fresh); err != nil {
+		return nil, fmt.Errorf("postgres store: credential secret: %w", err)
+	}
+	secret, err := storedCredentialSecret(ctx, s.pool, s.table)
+	if err == nil && secret == nil {
+		err = errors.New("the secret table is empty")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("postgres store: credential secret: %w", err)
+	}
+	return secret, nil
+}
+
+// storedCredentialSecret reads t's secret; nil if there is none yet.
+func storedCredentialSecret(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, t tableName) ([]byte, error) {
+	var secret []byte
+	err := db.QueryRow(ctx, `SELECT secret FROM `+t.secretTable()+` WHERE id`).Scan(&secret)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	return secret, err
+}
+
+// checkCredentialSecret refuses a secret that a guess could reach.
+func checkCredentialSecret(secret string) error {
+	if len(secret) < minCredentialSecret {
+		return fmt.Errorf("credential_secret is %d bytes, fewer than %d: a short secret can be guessed, and with it the credentials behind the stored hashes; use for example the output of `openssl rand -base64 32`",
+			len(secret), minCredentialSecret)
+	}
+	return nil
+}
+
+// hasPlaceholder reports whether s holds a {placeholder}, as Caddy's
+// replacer sees one (a brace escaped with a backslash is not one).
+func hasPlaceholder(s string) bool {
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '\\':
+			i++
+		case '{':
+			if strings.IndexByte(s[i+1:], '}') > 0 {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// credentialHasher computes HMAC-SHA-256 under one secret. Its states are
+// pooled: a request then hashes its credential without allocating.
+type credentialHasher struct{ states sync.Pool }
+
+type hmacState struct {
+	mac hash.Hash
+	buf []byte
+	sum [sha256.Size]byte
+}
+
+func newCredentialHasher(secret []byte) *credentialHasher {
+	key := bytes.Clone(secret)
+	c := new(credentialHasher)
+	c.states.New = func() any { return &hmacState{mac: hmac.New(sha256.New, key)} }
+	return c
+}
+
+func (c *credentialHasher) hash(credential string) [32]byte {
+	s := c.states.Get().(*hmacState)
+	s.mac.Reset()
+	s.buf = append(s.buf[:0], credential...)
+	s.mac.Write(s.buf)
+	sum := [32]byte(s.mac.Sum(s.sum[:0]))
+	if cap(s.buf) <= 4<<10 {
+		// A rare huge credential's buffer is not kept.
+		c.states.Put(s)
+	}
+	return sum
+}
+
+// credentialKey is a handler's hasher, which a store's default secret may
+// only give once the store is reachable.
+type credentialKey struct {
+	hasher atomic.Pointer[credentialHasher]
+	mu     sync.Mutex // serialises loads
+	load   func(context.Context) ([]byte, error)
+}
+
+// get returns the hasher, loading the secret the first time.
+func (k *credentialKey) get(ctx context.Context) (*credentialHasher, error) {
+	if c := k.hasher.Load(); c != nil {
+		return c, nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if c := k.hasher.Load(); c != nil {
+		return c, nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer cancel()
+	secret, err := k.load(ctx)
+	if err != nil {
+		return nil, err
+	}
+	c := newCredentialHasher(secret)
+	k.hasher.Store(c)
+	return c, nil
+}
+
+// provisionCredentials sets up the hashing of credentials: under
+// credential_secret, or else under the store's default secret, read now
+// unless the store may be down (Postgres with `migrate off` starts
+// without its database), in which case the first request reads it.
+func (h *Handler) provisionCredentials(ctx context.Context, store any) error {
+	h.credKey = new(credentialKey)
+	if h.CredentialSecret != "" {
+		// Resolved here, never written back: the config keeps the
+		// placeholder, and the secret stays out of it.
+		secret := caddy.NewReplacer().ReplaceKnown(h.CredentialSecret, "")
+		if err := checkCredentialSecret(secret); err != nil {
+			return err
+		}
+		h.credKey.hasher.Store(newCredentialHasher([]byte(secret)))
+		return nil
+	}
+	src, ok := store.(secretSource)
+	if !ok {
+		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", store)
+	}
+	h.credKey.load = src.credentialSecret
+	if ps, ok := store.(*PostgresStore); ok && ps.Migrate != nil && !*ps.Migrate {
+		return nil
+	}
+	_, err := h.credKey.get(ctx)
+	return err
+}
+
+// identify does steps 1 and 2: it reads the key and the credential, and
+// hashes the credential at once, so that the raw value goes no further.
+// It returns the problem to answer for a client's error, or an error if
+// the credential secret cannot be had (the store is unreachable). With
+// neither, an empty key means a request without one, under `optional`.
+// The problems are the package's: finish words them for the handler.
+func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk RecordKey, p *problem, err error) {
+	keyValues := r.Header.Values(h.KeyHeader)
+	if len(keyValues) == 0 {
+		if h.Optional {
+			return "", rk, nil, nil
+		}
+		return "", rk, &probKeyMissing, nil
+	}
+	rawKey, ok := onlyValue(keyValues)
+	if !ok {
+		return "", rk, &probKeyDuplicate, nil
+	}
+	if key, err = parseKey(rawKey); err != nil {
+		prob := probKeyMalformed.withDetail(err.Error())
+		return "", rk, &prob, nil
+	}
+	repl.Set("http.idempotency.key", key)
+
+	var credential string
+	if h.Credential != "" {
+		credential = repl.ReplaceAll(h.Credential, "")
+	} else if credential, ok = onlyValue(r.Header.Values(h.CredentialHeader)); !ok {
+		return key, rk, &probCredentialDuplicate, nil
+	}
+	if credential == "" {
+		return key, rk, &probCredentialMissing, nil
+	}
+	hasher, err := h.credKey.get(r.Context())
+	if err != nil {
+		return key, rk, nil, err
+	}
+	return key, RecordKey{CredentialHash: hasher.hash(credential), Key: key}, nil, nil
+}
+
+// onlyValue returns the value of a header's fields, if they agree: two
+// different values of the key or of the credential leave it ambiguous
+// which one the upstream (or an authentication handler before this one)
+// goes by. Identical repeats are one value.
+func onlyValue(values []string) (string, bool) {
+	if len(values) == 0 {
+		return "", true
+	}
+	for _, v := range values[1:] {
+		if v != values[0] {
+			return "", false
+		}
+	}
+	return values[0], true
+}
