@@ -433,7 +433,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if h.OnStoreError == onStoreErrorFailOpen {
 			// The body is unread: it goes on as it came.
 			h.logger.Warn("idempotency.fail_open", zap.String("key", key), zap.String("credential_id", ""),
-				zap.String("method", r.Method), zap.String("path", r.URL.Path))
+				zap.String("method", r.Method), zap.String("path", clientPath(r)))
 			repl.Set("http.idempotency.result", resultFailOpen)
 			hideKeyFromTransport(r.Header)
 			return next.ServeHTTP(w, markProtected(r))
@@ -683,7 +683,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response,
 		if err := copyGunzipped(w, resp.Body); err != nil {
 			// The client has part of a body: abort the response
 			// rather than end it as though it were whole.
-			h.logger.Error("idempotency.replay_decode", zap.String("path", r.URL.Path), zap.Error(err))
+			h.logger.Error("idempotency.replay_decode", zap.String("path", clientPath(r)), zap.Error(err))
 			panic(http.ErrAbortHandler)
 		}
 	} else {
@@ -960,7 +960,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 		if errors.Is(err, ErrUnstorable) && !degraded {
 			h.logger.Error("idempotency.unstorable_response",
 				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("method", r.Method), zap.String("path", r.URL.Path),
+				zap.String("method", r.Method), zap.String("path", clientPath(r)),
 				zap.Int("status", resp.Status), zap.Error(err))
 			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
