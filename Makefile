@@ -18,7 +18,7 @@ fuzz:
 		go test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; \
 	done
 
-# The benchmark (bench/, README "Performance"): every row side by side on
+# The benchmark (bench/, docs/performance.md): every row side by side on
 # this machine, with the ratios of issue 5, then the micro-benchmarks.
 # BENCH_DURATION, BENCH_CONCURRENCY and BENCH_DSN override the defaults.
 .PHONY: bench bench-quick bench-scale bench-pools bench-micro
@@ -38,7 +38,7 @@ bench-pools:
 bench-micro:
 	go test -run '^$$' -bench 'FingerprintJSON2KiB|CanonicalJSON|Recorder|Replay|FirstExecution|DecodeHeaderJSON' -benchmem -count 1 .
 
-# The failover figures of README "High availability": five runs on a
+# The failover figures of docs/high-availability.md: five runs on a
 # synchronous standby (the test `make test` runs once), then asynchronous
 # replication, without and with the standby held 1s behind.
 .PHONY: failover

@@ -13,7 +13,7 @@ package idempotency
 //
 // IDEMPOTENCY_FAILOVER_ASYNC=1 runs the same failover on asynchronous
 // replication, and reports what it lost instead of failing on it: the
-// figures of README's "High availability". IDEMPOTENCY_FAILOVER_LAG=1s
+// figures of docs/high-availability.md. IDEMPOTENCY_FAILOVER_LAG=1s
 // holds the asynchronous standby that far behind the primary.
 
 import (

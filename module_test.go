@@ -319,7 +319,7 @@ func TestSlowRequestIsNotTakenOver(t *testing.T) {
 		up := newUpstream(t)
 		// A 1s lock rather than a shorter one: on a loaded 2-core machine a
 		// renewal can wait longer than a 300ms lock's margin for a pool
-		// connection (README, limits), which is not what this test is about.
+		// connection (docs/guarantees.md), which is not what this test is about.
 		s := protectedSite(t, sb, up.Addr(), "lock_timeout 1s")
 		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3500 * time.Millisecond)}
 		firstCh := runBackground(t, s, c)

@@ -53,7 +53,7 @@ func warnAsyncReplication(ctx context.Context, pool *pgxpool.Pool, logger *zap.L
 		case r.risk != "":
 			logger.Warn("a failover of this database can lose records: "+r.risk+", so an acquire or a completion "+
 				"committed on the primary but not yet replicated is missing on the promoted standby, and its key "+
-				"executes again; set synchronous_standby_names and synchronous_commit = on (README, High availability)",
+				"executes again; set synchronous_standby_names and synchronous_commit = on (docs/high-availability.md)",
 				zap.String("async_standbys", r.asyncStandbys),
 				zap.String("synchronous_standby_names", r.standbyNames),
 				zap.String("synchronous_commit", r.commit))

@@ -130,7 +130,7 @@ func (p sharedPool) Destruct() error {
 // store alone (bench row 6) completed about 12% more first executions
 // with 16 connections than with 8, and through Caddy (make bench-pools,
 // interleaved runs) 6% more, for 3% fewer uncached replays, which compete
-// for the same two CPUs with twice the backends (README, Performance).
+// for the same two CPUs with twice the backends (docs/performance.md).
 // Connections are opened on demand: an idle instance holds few.
 func defaultMaxConns() int32 {
 	return int32(max(16, 4*runtime.GOMAXPROCS(0)))
