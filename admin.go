@@ -19,7 +19,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"slices"
 	"strconv"
@@ -28,7 +27,6 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 func init() {
@@ -79,9 +77,7 @@ func (h *Handler) registerStore(store any) {
 		u.store, u.backend, u.table = s, "postgres", s.table.String()
 		u.group = s.poolKey.dsn + "\x00" + u.table
 		u.name = "postgres:" + u.table
-		if cfg, err := pgconn.ParseConfig(s.poolKey.dsn); err == nil {
-			u.database = net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database
-		}
+		u.database = describeDSN(s.poolKey.dsn)
 	default:
 		return
 	}
