@@ -279,3 +279,32 @@ func TestAdminAPIReleaseEndedLease(t *testing.T) {
 	admin.wantStatus(http.MethodPost, "/idempotency/release",
 		map[string]any{"key": k, "credential_id": recs.Records[0].CredentialID}, http.StatusOK, `"status": "in_progress"`)
 }
+
+// With several stores running, a request must name one, and the error
+// lists them.
+func TestAdminAPISeveralStores(t *testing.T) {
+	pg := postgresBackend(t)
+	up := newUpstream(t)
+	admin := fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+	site := func(sb storeBackend) string {
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, freeTCPPort(t), sb.Block(), up.Addr())
+	}
+	startCaddyfileAdmin(t, site(storeBackend{Name: "memory"})+site(pg)+site(pg), admin)
+	a := adminClient{t: t, base: "http://" + admin}
+	status, out := a.do(http.MethodGet, "/idempotency/stores", nil)
+	var stores []adminStore
+	if err := json.Unmarshal(out, &stores); status != http.StatusOK || err != nil || len(stores) != 2 ||
+		stores[0].Name != "memory" || stores[1].Name != "postgres:"+pg.Table || stores[1].Handlers != 2 {
+		t.Fatalf("stores: %d %s", status, out)
+	}
+	a.wantStatus(http.MethodGet, "/idempotency/records", nil, http.StatusBadRequest, "memory, postgres:"+pg.Table)
+	if recs := a.records(url.Values{"store": {"postgres:" + pg.Table}}, nil); len(recs.Records) != 0 {
+		t.Fatalf("records of a new table: %+v", recs)
+	}
+}
