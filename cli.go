@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -313,9 +312,9 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 	case fl.String("credential-secret") != "":
 		return cliTarget{}, errors.New("--credential-secret goes with --credential: a credential id is hashed already")
 	case id != "":
-		prefix, err := hex.DecodeString(id)
-		if err != nil || len(prefix) < 6 || len(prefix) > sha256.Size {
-			return cliTarget{}, fmt.Errorf("--credential-id %q: want 12 to 64 hex digits, an even number (the credential_id of the log lines)", id)
+		prefix, err := parseCredentialID(id)
+		if err != nil {
+			return cliTarget{}, fmt.Errorf("--credential-id: %v", err)
 		}
 		return cliTarget{key: key, prefix: prefix, id: strings.ToLower(id)}, nil
 	default:
