@@ -15,6 +15,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // adminClient talks to an in-process Caddy's admin endpoint.
@@ -306,5 +308,32 @@ func TestAdminAPISeveralStores(t *testing.T) {
 	a.wantStatus(http.MethodGet, "/idempotency/records", nil, http.StatusBadRequest, "memory, postgres:"+pg.Table)
 	if recs := a.records(url.Values{"store": {"postgres:" + pg.Table}}, nil); len(recs.Records) != 0 {
 		t.Fatalf("records of a new table: %+v", recs)
+	}
+}
+
+// A reload swaps the stores the admin API serves: the unloaded config's
+// handlers are gone from it.
+func TestAdminAPIReload(t *testing.T) {
+	pg := postgresBackend(t)
+	up := newUpstream(t)
+	s, a, _ := startAdminSite(t, storeBackend{Name: "memory"}, up)
+	cfg := globalOptions(s.LogPath, strings.TrimPrefix(a.base, "http://")) + fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, freeTCPPort(t), pg.Block(), up.Addr())
+	cfgJSON, _, err := adaptCaddyfile(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfgJSON, true); err != nil {
+		t.Fatal(err)
+	}
+	status, out := a.do(http.MethodGet, "/idempotency/stores", nil)
+	var stores []adminStore
+	if err := json.Unmarshal(out, &stores); status != http.StatusOK || err != nil || len(stores) != 1 || stores[0].Name != "postgres:"+pg.Table {
+		t.Fatalf("stores after the reload: %d %s", status, out)
 	}
 }
