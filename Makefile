@@ -6,6 +6,22 @@ test:
 caddy:
 	go build -o caddy ./cmd/caddy
 
+# The build a user makes from a clone or a fork: xcaddy with this
+# directory as the module, at the Caddy version of go.mod. xcaddy is
+# installed from the Go module proxy if it is not on PATH or in GOBIN.
+# The replacement names a version (@v0.0.0): without one, `go get` asks
+# the proxy for the module's latest version, which an unpublished module
+# or fork does not have.
+XCADDY_VERSION ?= v0.4.5
+GOBIN_DIR := $(shell go env GOBIN)
+XCADDY := $(or $(shell command -v xcaddy),$(if $(GOBIN_DIR),$(GOBIN_DIR),$(shell go env GOPATH)/bin)/xcaddy)
+CADDY_VERSION := $(shell go list -m -f '{{.Version}}' github.com/caddyserver/caddy/v2)
+.PHONY: xcaddy
+xcaddy:
+	test -x $(XCADDY) || go install github.com/caddyserver/xcaddy/cmd/xcaddy@$(XCADDY_VERSION)
+	$(XCADDY) build $(CADDY_VERSION) --output ./caddy --with github.com/caddy-idempotency/idempotency@v0.0.0=.
+	./caddy list-modules | grep idempotency
+
 # The long runs, outside `make test`: the invariant with 20,000 keys against
 # race-built Caddy processes, and each fuzz target for FUZZTIME.
 .PHONY: soak fuzz

@@ -39,7 +39,8 @@ const cacheEntryOverhead = 320
 //     instance's cache, like every other instance's, keeps replaying it
 //     until it expires or is evicted. Releasing a completed key is for
 //     support cases; restart or reload the instances if a deleted key
-//     must execute again at once.
+//     must execute again at once. The admin API's release (admin.go)
+//     evicts it from the caches of its own process.
 //
 // Entries are keyed by RecordKey, that is by credential hash and key, so
 // that one tenant never gets another's record. In-progress records are

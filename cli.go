@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -45,7 +44,7 @@ const cliListLimit = 20
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "idempotency",
-		Usage: "migrate|prune|inspect|release [--dsn <connection string>] [--table <name>] ...",
+		Usage: "migrate|prune|inspect|release [--config <Caddyfile> [--adapter <name>] | --dsn <connection string>] [--table <name>] ...",
 		Short: "Operates the Postgres store of the idempotency handler",
 		Long: `
 Operates the Postgres store of the idempotency handler (http.handlers.idempotency):
@@ -57,6 +56,10 @@ Operates the Postgres store of the idempotency handler (http.handlers.idempotenc
 
 The database is --dsn, or else the environment variable IDEMPOTENCY_DSN, or
 else DATABASE_URL. --table is the store's table (default idempotency_keys).
+Or --config names the config that Caddy runs (a Caddyfile, or JSON with
+--adapter ""), and the DSN, table and credential_secret come from its
+postgres store, placeholders such as {env.DATABASE_URL} resolved; with
+several postgres stores, --table chooses one.
 
 A credential is named by --credential-id, the hex prefix of its keyed hash
 that the handler's log lines print as credential_id, or by --credential, its
@@ -69,7 +72,9 @@ Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 		CobraFunc: func(cmd *cobra.Command) {
 			pf := cmd.PersistentFlags()
 			pf.String("dsn", "", "Postgres connection string (default $IDEMPOTENCY_DSN, then $DATABASE_URL)")
-			pf.String("table", defaultTable, "the store's table, as its table option")
+			pf.String("table", defaultTable, "the store's table, as its table option; with --config, chooses among the config's stores")
+			pf.String("config", "", "the config file that Caddy runs: its postgres store gives the dsn, table and credential_secret")
+			pf.String("adapter", "", "the adapter of --config, as for caddy run (default: caddyfile for a file named Caddyfile* or *.caddyfile, else JSON)")
 			cmd.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
 				return cliUsageError(c, err)
 			})
@@ -307,9 +312,9 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 	case fl.String("credential-secret") != "":
 		return cliTarget{}, errors.New("--credential-secret goes with --credential: a credential id is hashed already")
 	case id != "":
-		prefix, err := hex.DecodeString(id)
-		if err != nil || len(prefix) < 6 || len(prefix) > sha256.Size {
-			return cliTarget{}, fmt.Errorf("--credential-id %q: want 12 to 64 hex digits, an even number (the credential_id of the log lines)", id)
+		prefix, err := parseCredentialID(id)
+		if err != nil {
+			return cliTarget{}, fmt.Errorf("--credential-id: %v", err)
 		}
 		return cliTarget{key: key, prefix: prefix, id: strings.ToLower(id)}, nil
 	default:
@@ -330,6 +335,9 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 		return nil
 	}
 	secret := t.secret
+	if secret == nil && db.config != nil && db.config.secretsAgree {
+		secret = db.config.secret
+	}
 	if secret == nil {
 		stored, err := storedCredentialSecret(ctx, db.pool, db.table)
 		if err != nil {
@@ -363,16 +371,31 @@ func prefixEnd(p []byte) []byte {
 type cliDB struct {
 	pool  *pgxpool.Pool
 	table tableName
+	// config is the store of --config, or nil.
+	config *cliConfigStore
 }
 
 // cliOpen connects to the database that the flags or the environment
 // name. Its errors come with their exit code.
 func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
+	var config *cliConfigStore
+	if fl.String("config") != "" {
+		if fl.String("dsn") != "" {
+			return nil, exitUsage, errConfigAndDSN
+		}
+		var err error
+		if config, err = cliStoreFromConfig(fl); err != nil {
+			return nil, exitUsage, err
+		}
+	}
 	table, err := parseTableName(fl.String("table"))
 	if err != nil {
 		return nil, exitUsage, fmt.Errorf("--table: %v", err)
 	}
 	dsn := fl.String("dsn")
+	if config != nil {
+		dsn, table = config.dsn, config.table
+	}
 	for _, env := range []string{"IDEMPOTENCY_DSN", "DATABASE_URL"} {
 		if dsn == "" {
 			dsn = os.Getenv(env)
@@ -399,7 +422,7 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 		pool.Close()
 		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
 	}
-	return &cliDB{pool: pool, table: table}, exitOK, nil
+	return &cliDB{pool: pool, table: table, config: config}, exitOK, nil
 }
 
 // explain rewords the error of a table that does not exist.

@@ -284,6 +284,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionModes(mod); err != nil {
 		return err
 	}
+	h.registerStore(mod)
 
 	if *h.PruneInterval > 0 {
 		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))

@@ -1,0 +1,483 @@
+package idempotency
+
+// Records through Caddy's admin API (admin.api.idempotency): the stores
+// of the running config, memory store included, which the CLI cannot
+// reach, under the same selectors as the CLI.
+//
+//	GET  /idempotency/stores
+//	GET  /idempotency/records?store=&key=|key_prefix=&credential_id=&limit=&body=1
+//	POST /idempotency/records   {"store", "key"|"key_prefix", "credential_id"|"credential", "limit", "body"}
+//	POST /idempotency/release   {"store", "key", "credential_id"|"credential", "force"}
+//
+// A raw credential is accepted in a POST body only: Caddy's admin API
+// logs the URI and the headers of every request it receives.
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// Bounds of a listing.
+const (
+	adminDefaultLimit = 100
+	adminMaxLimit     = 1000
+	adminTimeout      = 30 * time.Second
+)
+
+// storeUser is a provisioned handler and the store it uses, as the admin
+// API finds them.
+type storeUser struct {
+	h     *Handler
+	store inspector
+	// cache is the handler's replay cache, or nil.
+	cache *replayCache
+	// group is the same for every handler whose store holds the same
+	// records: the memory store, or a Postgres database and table.
+	group string
+	// name is how an operator names the store, before disambiguation:
+	// "memory" or "postgres:<table>".
+	name     string
+	backend  string
+	table    string
+	database string // host:port/dbname, without credentials
+}
+
+// runningStores are the stores of the handlers of the loaded configs:
+// during a reload, of the old and the new, which share their records.
+var runningStores struct {
+	sync.Mutex
+	users map[*Handler]storeUser
+}
+
+// registerStore makes h's store reachable through the admin API until
+// h's config is unloaded (Cleanup).
+func (h *Handler) registerStore(store any) {
+	u := storeUser{h: h}
+	u.cache, _ = h.store.(*replayCache)
+	switch s := store.(type) {
+	case *MemoryStore:
+		u.store, u.group, u.name, u.backend = s, "memory", "memory", "memory"
+	case *PostgresStore:
+		u.store, u.backend, u.table = s, "postgres", s.table.String()
+		u.group = s.poolKey.dsn + "\x00" + u.table
+		u.name = "postgres:" + u.table
+		u.database = describeDSN(s.poolKey.dsn)
+	default:
+		return
+	}
+	runningStores.Lock()
+	if runningStores.users == nil {
+		runningStores.users = make(map[*Handler]storeUser)
+	}
+	runningStores.users[h] = u
+	runningStores.Unlock()
+}
+
+// Cleanup implements caddy.CleanerUpper: the handler's config is
+// unloaded, and its store is no longer the running config's (unless
+// another handler uses it).
+func (h *Handler) Cleanup() error {
+	runningStores.Lock()
+	delete(runningStores.users, h)
+	runningStores.Unlock()
+	return nil
+}
+
+// adminStore is one store of the running config and its handlers.
+type adminStore struct {
+	Name     string `json:"store"`
+	Backend  string `json:"backend"`
+	Table    string `json:"table,omitempty"`
+	Database string `json:"database,omitempty"`
+	Handlers int    `json:"handlers"`
+
+	users []storeUser
+}
+
+// adminStores groups the running handlers by store. Two Postgres stores
+// with the same table in different databases are named with their
+// database too.
+func adminStores() []*adminStore {
+	runningStores.Lock()
+	groups := make(map[string]*adminStore)
+	for _, u := range runningStores.users {
+		s := groups[u.group]
+		if s == nil {
+			s = &adminStore{Name: u.name, Backend: u.backend, Table: u.table, Database: u.database}
+			groups[u.group] = s
+		}
+		s.users = append(s.users, u)
+		s.Handlers++
+	}
+	runningStores.Unlock()
+	names := make(map[string]int)
+	for _, s := range groups {
+		names[s.Name]++
+	}
+	out := make([]*adminStore, 0, len(groups))
+	for _, s := range groups {
+		if names[s.Name] > 1 {
+			s.Name += "@" + s.Database
+		}
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b *adminStore) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
+// adminAPI serves the records of the running stores on Caddy's admin
+// endpoint.
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.idempotency",
+		New: func() caddy.Module { return new(adminAPI) },
+	}
+}
+
+// Routes implements caddy.AdminRouter.
+func (a *adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/idempotency/", Handler: caddy.AdminHandlerFunc(a.serve)}}
+}
+
+func (a *adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
+	ctx, cancel := context.WithTimeout(r.Context(), adminTimeout)
+	defer cancel()
+	switch r.URL.Path {
+	case "/idempotency/stores":
+		if r.Method != http.MethodGet {
+			return adminError(http.StatusMethodNotAllowed, errors.New("GET only"))
+		}
+		return writeAdminJSON(w, adminStores())
+	case "/idempotency/records":
+		if r.Method != http.MethodGet && r.Method != http.MethodPost {
+			return adminError(http.StatusMethodNotAllowed, errors.New("GET or POST only"))
+		}
+		sel, err := parseAdminSelector(r)
+		if err != nil {
+			return err
+		}
+		return a.records(ctx, w, sel)
+	case "/idempotency/release":
+		if r.Method != http.MethodPost {
+			return adminError(http.StatusMethodNotAllowed, errors.New("POST only"))
+		}
+		sel, err := parseAdminSelector(r)
+		if err != nil {
+			return err
+		}
+		return a.release(ctx, w, sel)
+	}
+	return adminError(http.StatusNotFound, fmt.Errorf("no such resource: %s (want /idempotency/stores, /idempotency/records or /idempotency/release)", r.URL.Path))
+}
+
+// adminSelector names records as the CLI does.
+type adminSelector struct {
+	Store        string `json:"store"`
+	Key          string `json:"key"`
+	KeyPrefix    string `json:"key_prefix"`
+	CredentialID string `json:"credential_id"`
+	Credential   string `json:"credential"`
+	Limit        int    `json:"limit"`
+	Body         bool   `json:"body"`
+	Force        bool   `json:"force"`
+}
+
+// parseAdminSelector reads the selector from a POST's JSON body, or else
+// from the query string, which must not carry a raw credential.
+func parseAdminSelector(r *http.Request) (adminSelector, error) {
+	var sel adminSelector
+	if r.Method == http.MethodPost {
+		body, err := io.ReadAll(io.LimitReader(r.Body, 64<<10))
+		if err != nil {
+			return sel, adminError(http.StatusBadRequest, err)
+		}
+		if len(strings.TrimSpace(string(body))) > 0 {
+			dec := json.NewDecoder(strings.NewReader(string(body)))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&sel); err != nil {
+				return sel, adminError(http.StatusBadRequest, fmt.Errorf("the request body: %v", err))
+			}
+			return sel, nil
+		}
+	}
+	q := r.URL.Query()
+	if q.Has("credential") {
+		return sel, adminError(http.StatusBadRequest, errors.New("a raw credential goes in a POST body, never in the URL, which Caddy's admin API logs: POST {\"credential\": ...} to this endpoint, or use credential_id"))
+	}
+	for name := range q {
+		switch name {
+		case "store", "key", "key_prefix", "credential_id", "limit", "body", "force":
+		default:
+			return sel, adminError(http.StatusBadRequest, fmt.Errorf("unknown parameter %q", name))
+		}
+	}
+	sel.Store, sel.Key, sel.KeyPrefix, sel.CredentialID = q.Get("store"), q.Get("key"), q.Get("key_prefix"), q.Get("credential_id")
+	var err error
+	if v := q.Get("limit"); v != "" {
+		if sel.Limit, err = strconv.Atoi(v); err != nil {
+			return sel, adminError(http.StatusBadRequest, fmt.Errorf("limit %q: not a number", v))
+		}
+	}
+	for name, p := range map[string]*bool{"body": &sel.Body, "force": &sel.Force} {
+		if v := q.Get(name); v != "" {
+			if *p, err = strconv.ParseBool(v); err != nil {
+				return sel, adminError(http.StatusBadRequest, fmt.Errorf("%s %q: want 1 or 0", name, v))
+			}
+		}
+	}
+	return sel, nil
+}
+
+// resolve finds the store the selector names and turns it into a filter.
+func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter, error) {
+	var f recordFilter
+	stores := adminStores()
+	names := make([]string, len(stores))
+	for i, s := range stores {
+		names[i] = s.Name
+	}
+	var store *adminStore
+	switch {
+	case len(stores) == 0:
+		return nil, f, adminError(http.StatusNotFound, errors.New("the running config has no idempotency handler"))
+	case sel.Store == "" && len(stores) > 1:
+		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("several stores run: name one with store (%s)", strings.Join(names, ", ")))
+	case sel.Store == "":
+		store = stores[0]
+	default:
+		i := slices.Index(names, sel.Store)
+		if i < 0 {
+			return nil, f, adminError(http.StatusNotFound, fmt.Errorf("no running store %q (running: %s)", sel.Store, strings.Join(names, ", ")))
+		}
+		store = stores[i]
+	}
+
+	switch {
+	case sel.Key != "" && sel.KeyPrefix != "":
+		return nil, f, adminError(http.StatusBadRequest, errors.New("give key or key_prefix, not both"))
+	case sel.Key != "":
+		key, err := parseKey(sel.Key)
+		if err != nil {
+			return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("key: %v", err))
+		}
+		f.key = key
+	default:
+		f.keyPrefix = sel.KeyPrefix
+	}
+	switch {
+	case sel.CredentialID != "" && sel.Credential != "":
+		return nil, f, adminError(http.StatusBadRequest, errors.New("give credential_id or credential, not both"))
+	case sel.CredentialID != "":
+		prefix, err := parseCredentialID(sel.CredentialID)
+		if err != nil {
+			return nil, f, adminError(http.StatusBadRequest, err)
+		}
+		f.credPrefixes = [][]byte{prefix}
+	case sel.Credential != "":
+		// Each handler hashes under its own credential_secret, or the
+		// store's: the credential is any of them.
+		for _, u := range store.users {
+			hasher, err := u.h.credKey.get(ctx)
+			if err != nil {
+				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
+			}
+			sum := hasher.hash(sel.Credential)
+			if !slices.ContainsFunc(f.credPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
+				f.credPrefixes = append(f.credPrefixes, sum[:])
+			}
+		}
+	}
+	switch {
+	case sel.Limit < 0 || sel.Limit > adminMaxLimit:
+		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("limit must be 1 to %d", adminMaxLimit))
+	case sel.Limit == 0:
+		f.limit = adminDefaultLimit
+	default:
+		f.limit = sel.Limit
+	}
+	f.withResponse = sel.Body
+	return store, f, nil
+}
+
+// adminRecord is a record as the admin API shows it: never a raw
+// credential, and the stored response only when asked (body=1).
+type adminRecord struct {
+	CredentialHash string         `json:"credential_hash"`
+	CredentialID   string         `json:"credential_id"`
+	Key            string         `json:"key"`
+	Status         Status         `json:"status"`
+	Expired        bool           `json:"expired"`
+	Method         string         `json:"method"`
+	Path           string         `json:"path"`
+	Created        time.Time      `json:"created"`
+	Expires        time.Time      `json:"expires"`
+	Locked         *time.Time     `json:"locked,omitempty"`
+	LockedUntil    *time.Time     `json:"locked_until,omitempty"`
+	LeaseEnded     bool           `json:"lease_ended,omitempty"`
+	ResponseStatus *int           `json:"response_status,omitempty"`
+	Replayable     *bool          `json:"replayable,omitempty"`
+	BodySize       *int64         `json:"response_body_size,omitempty"`
+	StoredBody     *int           `json:"stored_body_bytes,omitempty"`
+	StoredHeaders  *int           `json:"stored_headers_bytes,omitempty"`
+	Response       *adminResponse `json:"response,omitempty"`
+}
+
+// adminResponse is a stored response, shown with body=1.
+type adminResponse struct {
+	Header http.Header `json:"headers"`
+	// Body is base64, as JSON gives bytes: a body need not be text.
+	Body []byte `json:"body_base64"`
+}
+
+func newAdminRecord(ir inspectedRecord, withResponse bool) adminRecord {
+	rec := adminRecord{
+		CredentialHash: fmt.Sprintf("%x", ir.key.CredentialHash),
+		CredentialID:   credentialID(ir.key.CredentialHash),
+		Key:            ir.key.Key,
+		Status:         ir.rec.Status,
+		Expired:        ir.expired,
+		LeaseEnded:     ir.leaseEnded,
+		Method:         ir.rec.Method,
+		Path:           ir.rec.Path,
+		Created:        ir.rec.CreatedAt.UTC(),
+		Expires:        ir.rec.ExpiresAt.UTC(),
+		StoredBody:     ir.storedBody,
+		StoredHeaders:  ir.storedHeaders,
+	}
+	if ir.rec.Status == StatusInProgress {
+		locked, until := ir.rec.LockedAt.UTC(), ir.rec.LockedUntil.UTC()
+		rec.Locked, rec.LockedUntil = &locked, &until
+	}
+	if resp := ir.rec.Response; resp != nil {
+		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize
+		if withResponse {
+			rec.Response = &adminResponse{resp.Header, resp.Body}
+		}
+	}
+	return rec
+}
+
+func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel adminSelector) error {
+	store, f, err := sel.resolve(ctx)
+	if err != nil {
+		return err
+	}
+	f.limit++ // one more, to tell whether the list is cut
+	recs, err := store.users[0].store.inspectRecords(ctx, f)
+	if err != nil {
+		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
+	}
+	f.limit--
+	out := struct {
+		Store     string        `json:"store"`
+		Records   []adminRecord `json:"records"`
+		Truncated bool          `json:"truncated,omitempty"`
+	}{Store: store.Name, Records: []adminRecord{}}
+	if len(recs) > f.limit {
+		recs, out.Truncated = recs[:f.limit], true
+	}
+	for _, ir := range recs {
+		out.Records = append(out.Records, newAdminRecord(ir, f.withResponse))
+	}
+	return writeAdminJSON(w, out)
+}
+
+// release deletes one record: without force, only an in-progress record
+// whose lease has ended (its owner died, and no retry took it over),
+// which cannot be running; with force, any. It also drops the record from the replay
+// caches of this process's handlers, so that its key executes at once
+// here; other instances' caches keep a completed record until it
+// expires or is evicted.
+func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel adminSelector) error {
+	if sel.Key == "" || sel.KeyPrefix != "" {
+		return adminError(http.StatusBadRequest, errors.New("release needs key (not key_prefix)"))
+	}
+	if sel.CredentialID == "" && sel.Credential == "" {
+		return adminError(http.StatusBadRequest, errors.New("release needs credential_id (as the log lines print it) or credential"))
+	}
+	store, f, err := sel.resolve(ctx)
+	if err != nil {
+		return err
+	}
+	f.limit, f.withResponse = 2, false
+	recs, err := store.users[0].store.inspectRecords(ctx, f)
+	if err != nil {
+		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
+	}
+	switch {
+	case len(recs) == 0:
+		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", store.Name, f.key))
+	case len(recs) > 1:
+		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", store.Name, f.key))
+	}
+	rec := recs[0]
+	switch {
+	case sel.Force:
+	case rec.rec.Status != StatusInProgress:
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (force deletes it, and the next request with the key executes again)", f.key, rec.rec.Status))
+	case !rec.leaseEnded:
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease, until %s: its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.key, rec.rec.LockedUntil.UTC().Format(time.RFC3339)))
+	}
+	status, err := store.users[0].store.deleteRecord(ctx, rec.key, sel.Force)
+	if errors.Is(err, errNoRecord) {
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed or released); nothing deleted: look at it again", f.key))
+	}
+	if err != nil {
+		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
+	}
+	for _, u := range store.users {
+		if u.cache != nil {
+			u.cache.evict(rec.key)
+		}
+	}
+	rec.rec.Status = status
+	return writeAdminJSON(w, struct {
+		Store    string      `json:"store"`
+		Released adminRecord `json:"released"`
+	}{store.Name, newAdminRecord(rec, false)})
+}
+
+// evict drops the cached copy of key's record, if there is one.
+func (c *replayCache) evict(key RecordKey) {
+	c.mu.Lock()
+	if e := c.entries[key]; e != nil {
+		c.remove(e)
+	}
+	c.mu.Unlock()
+}
+
+func adminError(status int, err error) error {
+	return caddy.APIError{HTTPStatus: status, Err: err}
+}
+
+func writeAdminJSON(w http.ResponseWriter, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// Interface guards
+var (
+	_ caddy.AdminRouter  = (*adminAPI)(nil)
+	_ caddy.CleanerUpper = (*Handler)(nil)
+)

@@ -1,0 +1,149 @@
+package idempotency
+
+// `caddy idempotency ... --config Caddyfile`: the CLI takes the store's
+// DSN and table (and the handlers' credential_secret) from the config
+// that Caddy runs, placeholders resolved, so that no secret is typed on
+// a command line, where the shell's history and the process list keep it.
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// cliConfigStore is a Postgres store of a config, as its handlers use it.
+type cliConfigStore struct {
+	dsn   string // placeholders resolved
+	table tableName
+	// secret is the handlers' credential_secret, resolved, if they all
+	// have the same one; nil if none has one.
+	secret []byte
+	// secretsAgree is false when the handlers disagree on it: a raw
+	// credential then needs --credential-secret.
+	secretsAgree bool
+}
+
+// describeDSN names a DSN's database without its credentials.
+func describeDSN(dsn string) string {
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return "an unparsable dsn"
+	}
+	return net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database
+}
+
+// cliStoreFromConfig finds the Postgres store of the config file that the
+// flags name: the only one, or the one of --table.
+func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
+	cfgJSON, _, _, err := caddycmd.LoadConfig(fl.String("config"), fl.String("adapter"))
+	if err != nil {
+		return nil, fmt.Errorf("--config: %v", err)
+	}
+	var cfg any
+	dec := json.NewDecoder(bytes.NewReader(cfgJSON))
+	dec.UseNumber()
+	if err := dec.Decode(&cfg); err != nil {
+		return nil, fmt.Errorf("--config: %v", err)
+	}
+	var stores []*cliConfigStore
+	repl := caddy.NewReplacer()
+	var walk func(v any) error
+	walk = func(v any) error {
+		switch v := v.(type) {
+		case []any:
+			for _, e := range v {
+				if err := walk(e); err != nil {
+					return err
+				}
+			}
+		case map[string]any:
+			if v["handler"] == "idempotency" {
+				if err := addConfigStore(&stores, v, repl); err != nil {
+					return err
+				}
+			}
+			for _, e := range v {
+				if err := walk(e); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}
+	if err := walk(cfg); err != nil {
+		return nil, err
+	}
+	slices.SortFunc(stores, func(a, b *cliConfigStore) int {
+		return strings.Compare(a.table.String()+" "+describeDSN(a.dsn), b.table.String()+" "+describeDSN(b.dsn))
+	})
+
+	all := stores
+	if fl.Changed("table") {
+		want, err := parseTableName(fl.String("table"))
+		if err != nil {
+			return nil, fmt.Errorf("--table: %v", err)
+		}
+		stores = slices.DeleteFunc(slices.Clone(stores), func(s *cliConfigStore) bool { return s.table != want })
+	}
+	if len(stores) == 1 {
+		return stores[0], nil
+	}
+	names := make([]string, len(all))
+	for i, s := range all {
+		names[i] = fmt.Sprintf("table %s in %s", s.table, describeDSN(s.dsn))
+	}
+	switch {
+	case len(all) == 0:
+		return nil, fmt.Errorf("--config %s has no idempotency handler with a postgres store", fl.String("config"))
+	case len(stores) == 0:
+		return nil, fmt.Errorf("--config %s has no postgres store with table %s: it has %s", fl.String("config"), fl.String("table"), strings.Join(names, "; "))
+	}
+	return nil, fmt.Errorf("--config %s has %d postgres stores (%s): choose one with --table", fl.String("config"), len(stores), strings.Join(names, "; "))
+}
+
+// addConfigStore adds the Postgres store of handler h, a handler's JSON
+// object, to stores, or notes its credential_secret if it is there.
+func addConfigStore(stores *[]*cliConfigStore, h map[string]any, repl *caddy.Replacer) error {
+	store, _ := h["store"].(map[string]any)
+	if store == nil || store["backend"] != "postgres" {
+		return nil
+	}
+	rawDSN, _ := store["dsn"].(string)
+	dsn := repl.ReplaceKnown(rawDSN, "")
+	if dsn == "" {
+		return fmt.Errorf("--config: the postgres store's dsn %q is empty once its placeholders are replaced: is its environment variable set?", rawDSN)
+	}
+	rawTable, _ := store["table"].(string)
+	if rawTable == "" {
+		rawTable = defaultTable
+	}
+	table, err := parseTableName(rawTable)
+	if err != nil {
+		return fmt.Errorf("--config: %v", err)
+	}
+	var secret []byte
+	if raw, _ := h["credential_secret"].(string); raw != "" {
+		secret = []byte(repl.ReplaceKnown(raw, ""))
+	}
+	for _, s := range *stores {
+		if s.dsn == dsn && s.table == table {
+			if !bytes.Equal(s.secret, secret) {
+				s.secretsAgree = false
+			}
+			return nil
+		}
+	}
+	*stores = append(*stores, &cliConfigStore{dsn: dsn, table: table, secret: secret, secretsAgree: true})
+	return nil
+}
+
+var errConfigAndDSN = errors.New("give --config or --dsn, not both: --config takes the dsn from the config")

@@ -1,0 +1,73 @@
+package idempotency
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// `--config`: the CLI takes the DSN ({env.X} resolved), the table and
+// the handlers' credential_secret from the Caddyfile that Caddy runs,
+// and asks which store is meant when the config has several.
+func TestCLIConfig(t *testing.T) {
+	dsn := testDSN(t)
+	sb := postgresBackend(t)
+	other := freshTable(t)
+	const secret = "a-credential-secret-of-32-bytes-or-more"
+	up := newUpstream(t)
+	s := protectedSite(t, sb, up.Addr(), "credential_secret "+secret)
+	c := call{Key: newKey(), Body: payBody()}
+	wantExecuted(t, s.Do(t, c), http.StatusCreated)
+
+	site := func(port int, table string) string {
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn {env.TEST_IDEMPOTENCY_DSN}
+			table %s
+		}
+		credential_secret {env.TEST_IDEMPOTENCY_SECRET}
+	}
+	respond "ok"
+}
+`, port, table)
+	}
+	dir := t.TempDir()
+	one := filepath.Join(dir, "Caddyfile")
+	two := filepath.Join(dir, "two.caddyfile")
+	if err := os.WriteFile(one, []byte(site(1, sb.Table)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(two, []byte(site(1, sb.Table)+site(2, other)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"TEST_IDEMPOTENCY_DSN=" + dsn, "TEST_IDEMPOTENCY_SECRET=" + secret}
+	target := []string{"--key", c.Key, "--credential", "-"}
+
+	// The raw credential is hashed under the config's secret.
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", env, append([]string{"inspect", "--config", one}, target...)...),
+		exitOK, "status:           completed")
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", env, append([]string{"inspect", "--config", one, "--adapter", "caddyfile"}, target...)...),
+		exitOK, "status:           completed")
+
+	// Two stores: the CLI names them, and --table chooses.
+	res := runCLIInput(t, defaultCred+"\n", env, append([]string{"inspect", "--config", two}, target...)...)
+	wantCLI(t, res, exitUsage, "2 postgres stores", sb.Table, other, "--table")
+	if strings.Contains(res.stdout+res.stderr, dsn) {
+		t.Errorf("the CLI prints the dsn: %s", res)
+	}
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", env, append([]string{"inspect", "--config", two, "--table", sb.Table}, target...)...),
+		exitOK, "status:           completed")
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", env, append([]string{"inspect", "--config", two, "--table", "nonesuch"}, target...)...),
+		exitUsage, "no postgres store with table nonesuch")
+	wantCLI(t, runCLI(t, env, "migrate", "--config", two, "--table", other), exitOK, other+": applied")
+	wantCLI(t, runCLI(t, env, "prune", "--config", two, "--table", other), exitOK, other+": pruned 0")
+
+	// Without the environment variable, the DSN is empty: said, not tried.
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", nil, append([]string{"inspect", "--config", one}, target...)...),
+		exitUsage, "is its environment variable set")
+	wantCLI(t, runCLI(t, env, "migrate", "--config", one, "--dsn", dsn), exitUsage, "not both")
+}
