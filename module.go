@@ -710,8 +710,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// every lb_retries attempt, on the request's context, and Go's
 	// transport (HTTP/1 and HTTP/2) reports a connection before it
 	// writes anything to it.
-	trace := new(reachTrace)
-	trace.trace.GotConn = func(httptrace.GotConnInfo) { trace.reached.Store(true) }
+	trace := newReachTrace()
 	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
 		context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true), &trace.trace))
 	defer cancel()
@@ -731,6 +730,11 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	rec := newRecorder(w, h.MaxResponseBody)
 	panicked, err := serveRecovering(next, rec, r.WithContext(execCtx))
 	lockedAt := stopRenew()
+	if panicked == errResendRefused {
+		// The trace stopped a second sending of the request: an answer
+		// like any failed attempt that reached the upstream.
+		panicked, err = nil, errResendRefused
+	}
 	if panicked != nil {
 		// reverse_proxy panics with http.ErrAbortHandler when the
 		// upstream fails in the middle of its response, and `abort`
@@ -803,11 +807,51 @@ func serveRecovering(next caddyhttp.Handler, w http.ResponseWriter, r *http.Requ
 	return nil, next.ServeHTTP(w, r)
 }
 
-// reachTrace notes whether a request got a connection to an upstream;
-// one allocation for the trace and its flag.
+// reachTrace notes whether a request got a connection to an upstream,
+// and refuses to send a request to an upstream a second time.
+//
+// Go's HTTP/1 transport sends a request again, on a new connection, when
+// a reused connection breaks after the request was written and before
+// any answer: for GET and the like, and for any bodiless request that
+// carries a canonical Idempotency-Key or X-Idempotency-Key header (the
+// transport takes it for leave to retry). hideKeyFromTransport re-files
+// the client's header, but a `header_up Idempotency-Key ...` behind this
+// handler puts it back; and reverse_proxy's own retries, with an
+// lb_retry_match that allows the method, send a written request to the
+// next upstream. Either way the upstream may have acted on the first
+// sending, so a new connection asked for while a written HTTP/1 request
+// has had no answer is refused: the request ends as outcome-unknown,
+// never executed twice. HTTP/2 is left alone: its transport re-sends
+// only streams that the server refused unprocessed (REFUSED_STREAM,
+// GOAWAY).
 type reachTrace struct {
 	trace   httptrace.ClientTrace
 	reached atomic.Bool
+	// unanswered is set when an HTTP/1 request was written (its first
+	// field, Host, went out) and cleared by the first byte of an answer.
+	unanswered atomic.Bool
+}
+
+// errResendRefused is what a reachTrace panics with, in the goroutine
+// that sends the request, to stop the transport from sending it again.
+var errResendRefused = errors.New("idempotency: refused to send a protected request to an upstream a second time")
+
+func newReachTrace() *reachTrace {
+	t := new(reachTrace)
+	t.trace.GetConn = func(string) {
+		if t.unanswered.Load() {
+			panic(errResendRefused)
+		}
+	}
+	t.trace.GotConn = func(httptrace.GotConnInfo) { t.reached.Store(true) }
+	t.trace.WroteHeaderField = func(name string, _ []string) {
+		// HTTP/2 writes ":authority" and the other pseudo-fields first.
+		if name == "Host" {
+			t.unanswered.Store(true)
+		}
+	}
+	t.trace.GotFirstResponseByte = func() { t.unanswered.Store(false) }
+	return t
 }
 
 // upstreamPlaceholder is set by reverse_proxy (and php_fastcgi,
