@@ -82,8 +82,10 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "credential_header":
 			err = oneArg(d, &h.CredentialHeader)
 		case "credential":
-			if err = oneArg(d, &h.Credential); err == nil && !hasPlaceholder(h.Credential) {
-				return d.Errf("idempotency: credential %q holds no placeholder: every caller would share one scope, and see the others' responses under their keys; use a placeholder that identifies the caller, such as {http.auth.user.id}", h.Credential)
+			if err = oneArg(d, &h.Credential); err == nil {
+				if err := checkCredentialPlaceholder(h.Credential); err != nil {
+					return d.Errf("idempotency: %v", err)
+				}
 			}
 		case "credential_secret":
 			if err = oneArg(d, &h.CredentialSecret); err == nil && !hasPlaceholder(h.CredentialSecret) {

@@ -96,6 +96,28 @@ func checkCredentialSecret(secret string) error {
 	return nil
 }
 
+// checkCredentialPlaceholder refuses a credential that is not exactly one
+// placeholder. A caller whose placeholder is empty must get 401, not the
+// scope of everyone else whose placeholder is empty, which text around it
+// ("tenant-{...}") would make; and two placeholders side by side let
+// ("ab", "c") and ("a", "bc") share a scope.
+func checkCredentialPlaceholder(s string) error {
+	if len(s) < 3 || s[0] != '{' || s[len(s)-1] != '}' || strings.ContainsAny(s[1:len(s)-1], "{}\\") {
+		return fmt.Errorf("credential %q must be exactly one placeholder that identifies the caller, such as {http.auth.user.id}: a constant puts every caller in one scope, text around a placeholder gives callers without it a shared scope, and two placeholders run their values together", s)
+	}
+	return nil
+}
+
+// checkKeyHeader refuses a key header that carries a credential: keys
+// are stored and logged as they are.
+func checkKeyHeader(keyHeader, credentialHeader string) error {
+	switch http.CanonicalHeaderKey(keyHeader) {
+	case http.CanonicalHeaderKey(credentialHeader), "Authorization", "Proxy-Authorization", "Cookie":
+		return fmt.Errorf("key_header %q carries credentials: keys are stored and logged as they are, so it must be a header of its own, such as Idempotency-Key", keyHeader)
+	}
+	return nil
+}
+
 // hasPlaceholder reports whether s holds a {placeholder}, as Caddy's
 // replacer sees one (a brace escaped with a backslash is not one).
 func hasPlaceholder(s string) bool {

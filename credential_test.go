@@ -327,28 +327,58 @@ func TestCredentialSecretTooShort(t *testing.T) {
 	})
 }
 
-// Item 9.15: a credential without a placeholder puts every caller in one
-// scope; it is refused in the Caddyfile, with its line, and in JSON.
+// Item 9.15: a credential that is not exactly one placeholder puts
+// callers in shared scopes: a constant, every caller; text around a
+// placeholder, every caller whose placeholder is empty ("tenant-");
+// two placeholders, callers whose values run together alike ("ab"+"c",
+// "a"+"bc"). They are refused in the Caddyfile, with the line, and in
+// JSON.
 func TestConstantCredentialRefused(t *testing.T) {
-	for _, cred := range []string{"tenant-x", `\{http.auth.user.id}`} {
+	for _, cred := range []string{
+		"tenant-x", `\{http.auth.user.id}`,
+		"tenant-{http.request.header.X-Tenant}",
+		"{http.request.header.X-Org}{http.request.header.X-User}",
+		"{http.request.header.X-Org}-x",
+	} {
 		_, _, err := adaptCaddyfile("http://127.0.0.1:8080 {\n\tidempotency {\n\t\tcredential " + cred + "\n\t}\n\treverse_proxy 127.0.0.1:9\n}\n")
-		if err == nil || !strings.Contains(err.Error(), "Caddyfile:3") || !strings.Contains(err.Error(), "no placeholder") {
+		if err == nil || !strings.Contains(err.Error(), "Caddyfile:3") || !strings.Contains(err.Error(), "exactly one placeholder") {
 			t.Errorf("credential %s: %v, want an error naming line 3", cred, err)
 		}
 	}
-	for _, cred := range []string{"{http.auth.user.id}", "tenant-{http.request.header.X-Tenant}"} {
-		if _, _, err := adaptCaddyfile("http://127.0.0.1:8080 {\n\tidempotency {\n\t\tcredential " + cred + "\n\t}\n\treverse_proxy 127.0.0.1:9\n}\n"); err != nil {
-			t.Errorf("credential %s: %v", cred, err)
+	if _, _, err := adaptCaddyfile("http://127.0.0.1:8080 {\n\tidempotency {\n\t\tcredential {http.auth.user.id}\n\t}\n\treverse_proxy 127.0.0.1:9\n}\n"); err != nil {
+		t.Errorf("credential {http.auth.user.id}: %v", err)
+	}
+	for _, h := range []*Handler{
+		{Credential: "tenant-x"},
+		{Credential: "tenant-{http.request.header.X-Tenant}"},
+	} {
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		if err := h.Provision(ctx); err != nil {
+			t.Fatal(err)
 		}
+		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "one scope") {
+			t.Errorf("Validate of credential %q: %v, want an error", h.Credential, err)
+		}
+		cancel()
 	}
-	h := &Handler{Credential: "tenant-x"}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := h.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "one scope") {
-		t.Errorf("Validate of a constant credential: %v, want an error", err)
+}
+
+// A key header that carries credentials would put them in the table and
+// the log, where keys go as they are.
+func TestCredentialKeyHeaderRefused(t *testing.T) {
+	for _, h := range []*Handler{
+		{KeyHeader: "Authorization"},
+		{KeyHeader: "cookie"},
+		{KeyHeader: "X-Api-Key", CredentialHeader: "x-api-key"},
+	} {
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		if err := h.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "carries credentials") {
+			t.Errorf("Validate of key_header %q: %v, want an error", h.KeyHeader, err)
+		}
+		cancel()
 	}
 }
 

@@ -82,8 +82,10 @@ type Handler struct {
 
 	// A placeholder that identifies the caller instead of a header, such
 	// as {http.auth.user.id}. Takes precedence over CredentialHeader. It
-	// must hold a placeholder: a constant would put every caller in one
-	// scope.
+	// must be exactly one placeholder: a constant would put every caller
+	// in one scope, text around a placeholder would still be a value when
+	// the placeholder is empty, and two placeholders run their values
+	// together ("ab"+"c" is "a"+"bc").
 	Credential string `json:"credential,omitempty"`
 
 	// The secret under which credentials are hashed (HMAC-SHA-256), at
@@ -329,8 +331,13 @@ func (h *Handler) Validate() error {
 			return err
 		}
 	}
-	if h.Credential != "" && !hasPlaceholder(h.Credential) {
-		return fmt.Errorf("credential %q holds no placeholder: every caller would share one scope, and see the others' responses under their keys; use a placeholder that identifies the caller, such as {http.auth.user.id}", h.Credential)
+	if h.Credential != "" {
+		if err := checkCredentialPlaceholder(h.Credential); err != nil {
+			return err
+		}
+	}
+	if err := checkKeyHeader(h.KeyHeader, h.CredentialHeader); err != nil {
+		return err
 	}
 	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
 		if !validToken(name) {
