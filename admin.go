@@ -89,14 +89,12 @@ func (h *Handler) registerStore(store any) {
 	runningStores.Unlock()
 }
 
-// Cleanup implements caddy.CleanerUpper: the handler's config is
-// unloaded, and its store is no longer the running config's (unless
-// another handler uses it).
-func (h *Handler) Cleanup() error {
+// unregisterStore takes the handler's store off the running config's
+// (unless another handler uses it): its config is unloaded.
+func (h *Handler) unregisterStore() {
 	runningStores.Lock()
 	delete(runningStores.users, h)
 	runningStores.Unlock()
-	return nil
 }
 
 // adminStore is one store of the running config and its handlers.
@@ -478,6 +476,5 @@ func writeAdminJSON(w http.ResponseWriter, v any) error {
 
 // Interface guards
 var (
-	_ caddy.AdminRouter  = (*adminAPI)(nil)
-	_ caddy.CleanerUpper = (*Handler)(nil)
+	_ caddy.AdminRouter = (*adminAPI)(nil)
 )

@@ -412,6 +412,40 @@ func validToken(s string) bool {
 	return true
 }
 
+// Cleanup implements caddy.CleanerUpper: the handler's config is
+// unloaded. When the process exits, it waits for the requests that own a
+// record to store their responses: Caddy's grace_period ends the server's
+// wait for them, and the process would then end before their completion,
+// leaving records in progress that a retry takes over, once their lock
+// goes stale, and executes a second time.
+func (h *Handler) Cleanup() error {
+	h.unregisterStore()
+	if caddy.Exiting() && h.executing != nil {
+		h.awaitExecutions(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
+	}
+	return nil
+}
+
+// awaitExecutions waits, at most max, until no request owns a record.
+// Their work was detached from their clients and runs on after the
+// server closed their connections; max is what execution_timeout and a
+// last completion allow them.
+func (h *Handler) awaitExecutions(max time.Duration) {
+	n := h.executing.Load()
+	if n == 0 {
+		return
+	}
+	h.logger.Warn("idempotency.shutdown: waiting for protected requests to store their responses",
+		zap.Int64("requests", n), zap.Duration("at_most", max))
+	for deadline := time.Now().Add(max); h.executing.Load() > 0 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := h.executing.Load(); n > 0 {
+		h.logger.Error("idempotency.shutdown: exiting with protected requests still running; their records stay in progress until their locks go stale",
+			zap.Int64("requests", n))
+	}
+}
+
 // ServeHTTP implements the request path of the contract, step by step.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	// Methods compare case-insensitively: frameworks run `post` as POST.
@@ -1174,5 +1208,6 @@ func markProtected(r *http.Request) *http.Request {
 var (
 	_ caddy.Provisioner           = (*Handler)(nil)
 	_ caddy.Validator             = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
 )
