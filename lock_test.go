@@ -229,6 +229,28 @@ func TestCompleteRetriesWhileLockHolds(t *testing.T) {
 	}
 }
 
+// A response whose completion failed for good (the store down for the
+// whole lock) will not be replayed: it must not end as a success. The
+// connection is cut (http.ErrAbortHandler) before the end of the
+// response reaches the client. Catches a handler that returned normally,
+// letting the client take an unrecorded answer for the final one.
+func TestFailedCompletionCutsTheResponse(t *testing.T) {
+	h, s, logs := lockHandler(t, time.Second)
+	s.beforeComplete = func() error { return errors.New("dial tcp 127.0.0.1:5432: connect: connection refused") }
+	var calls atomic.Int32
+	panicked := func() (p any) {
+		defer func() { p = recover() }()
+		serve(context.Background(), h, "complete-fails", created(&calls))
+		return nil
+	}()
+	if panicked != http.ErrAbortHandler {
+		t.Fatalf("the handler ended with %v, want a panic with http.ErrAbortHandler", panicked)
+	}
+	if logs.FilterMessage("idempotency.store_error").Len() == 0 {
+		t.Errorf("the failed completion was not logged")
+	}
+}
+
 // A reload that changes the pool (another dsn or max_conns) cleans up the
 // old config's store while its requests still run: the pool stays open
 // for them until they are done. Catches closing it at once (their

@@ -828,11 +828,19 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		resp = p.response()
 	}
 
-	h.complete(rk, token, key, credID, r, resp, lockedAt)
+	stored := h.complete(rk, token, key, credID, r, resp, lockedAt)
 	if h.Shadow {
 		// Shadow mode changes no response: the error goes on to the
 		// site's error handling, as it would without this handler.
 		return err
+	}
+	if !stored {
+		// The client has the response as it streamed, but not its end:
+		// a chunked body's last chunk, an HTTP/2 stream's end, go out
+		// only once this returns. A response that no retry will get
+		// must not end as a success, so the connection is cut instead
+		// (a body with a Content-Length may already be whole).
+		panic(http.ErrAbortHandler)
 	}
 	return nil
 }
@@ -1035,7 +1043,8 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 // and a fixed few attempts can all meet one. A response that the store
 // can never take (ErrUnstorable) is not retried: the record is completed
 // as not replayable instead, so that a retry is refused, not executed.
-func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, lockedAt time.Time) {
+// It reports whether the record holds the response (or that refusal).
+func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, lockedAt time.Time) (stored bool) {
 	deadline := lockedAt.Add(time.Duration(h.LockTimeout))
 	var err error
 	degraded := false
@@ -1065,6 +1074,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	case err != nil:
 		h.storeError("complete", key, credID, r, err)
 	}
+	return err == nil
 }
 
 // release deletes the record of a request that never executed. It
