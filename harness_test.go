@@ -607,6 +607,16 @@ func newSiteClient(t testing.TB, srv *caddyServer, port int) *site {
 	}
 }
 
+// oneShot is a client of the same site that opens a connection for each
+// request: Go's client re-sends a request that carries an
+// Idempotency-Key when a reused connection breaks before the answer, and
+// a test of a cut connection must see the cut, not the re-sent request.
+func (s *site) oneShot() *site {
+	c := *s
+	c.client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: s.client.Timeout}
+	return &c
+}
+
 // noCred, as call.Cred, sends no credential header at all.
 const noCred = "\x00none"
 
