@@ -74,7 +74,13 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 	}
 	b.mu.Unlock()
 	if len(batch) > 0 {
-		go b.run(batch)
+		// The caller sends the batch it started itself, which spares an
+		// idle store a goroutine's start per request; what queued
+		// meanwhile goes on in a goroutine of its own.
+		b.sendBatch(batch)
+		if next := b.next(); len(next) > 0 {
+			go b.run(next)
+		}
 	}
 	select {
 	case <-c.done:
@@ -90,12 +96,20 @@ func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
 func (b *batcher[Req, Res]) run(batch []*batchCall[Req, Res]) {
 	for len(batch) > 0 {
 		b.sendBatch(batch)
-		b.mu.Lock()
-		if batch = b.take(); len(batch) == 0 {
-			b.sending--
-		}
-		b.mu.Unlock()
+		batch = b.next()
 	}
+}
+
+// next takes the batch that follows one just sent, or gives up the
+// sender's lane when nothing is queued.
+func (b *batcher[Req, Res]) next() []*batchCall[Req, Res] {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	batch := b.take()
+	if len(batch) == 0 {
+		b.sending--
+	}
+	return batch
 }
 
 // take removes the next batch from the queue, in arrival order, within

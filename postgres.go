@@ -134,7 +134,11 @@ func (p sharedPool) Destruct() error {
 // with 16 connections than with 8, and through Caddy (make bench-pools,
 // interleaved runs) 6% more, for 3% fewer uncached replays, which compete
 // for the same two CPUs with twice the backends (README, Performance).
-// Connections are opened on demand: an idle instance holds few.
+// Connections are opened on demand: an idle instance holds few. Since
+// concurrent requests share statements (pgbatch.go), a handler's request
+// path holds at most batchLanes connections per kind of statement, five
+// in the benchmark's first executions; the pool's size matters for the
+// handlers and pruning that share it.
 func defaultMaxConns() int32 {
 	return int32(max(16, 4*runtime.GOMAXPROCS(0)))
 }
