@@ -299,7 +299,8 @@ const recordColumns = `status, fingerprint, method, path, created_at, expires_at
 	response_body, replayable, response_size,
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint AS ttl_us`
 
-// recordColumnNames names recordColumns in a row that gives them.
+// recordColumnNames names recordColumns in a row that gives them (in
+// acquire, the rows found).
 const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
 	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
 
@@ -414,12 +415,11 @@ SELECT i.n, CASE
 		WHEN f.n IS NOT NULL THEN %[4]d
 		ELSE -1
 	END,
-	f.status, f.fingerprint, f.method, f.path, f.created_at, f.expires_at, f.locked_at, f.locked_until,
-	f.response_status, f.headers, f.response_body, f.replayable, f.response_size, f.ttl_us
+	%[8]s
 FROM input AS i
 LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
 LEFT JOIN found AS f ON f.n = i.n`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds),
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds, recordColumnNames),
 
 		complete: completeSQL(table, false),
 		release:  releaseSQL(table, false),
