@@ -8,7 +8,8 @@ package idempotency
 // TestBenchCeiling with its settings in the environment. In an ordinary
 // `go test` run it is skipped.
 //
-//	IDEMPOTENCY_BENCH_CEILING  acquire_complete | lookup | replay_statement | preload | prune
+//	IDEMPOTENCY_BENCH_CEILING  acquire_complete | acquire_complete_batched | lookup | lookup_batched |
+//	                           replay_statement | preload | prune
 //	IDEMPOTENCY_BENCH_DSN, _TABLE, _CONCURRENCY, _DURATION, _WARMUP, _MAX_CONNS
 //	IDEMPOTENCY_BENCH_RUN, _KEYS, _CREDENTIAL   the keys (bench/load.Key) of the rows
 //	IDEMPOTENCY_BENCH_ROWS, _EXPIRED            preload: how many rows, expired or live
@@ -55,8 +56,11 @@ func TestBenchCeilingSmoke(t *testing.T) {
 		"DSN": testDSN(t), "TABLE": table, "RUN": "smoke000", "KEYS": "1",
 		"CONCURRENCY": "2", "WARMUP": "0s", "DURATION": "500ms", "ROWS": "300", "EXPIRED": "1",
 	}
-	for _, mode := range []string{"acquire_complete", "lookup", "replay_statement", "preload", "prune"} {
+	for _, mode := range []string{"acquire_complete", "acquire_complete_batched", "lookup", "lookup_batched", "replay_statement", "preload", "prune"} {
 		out := benchCeiling(t, mode, func(name, def string) string {
+			if name == "RUN" && mode == "acquire_complete_batched" {
+				return "smoke001" // keys of its own: the other modes' are taken
+			}
 			if v, ok := settings[name]; ok {
 				return v
 			}
@@ -107,7 +111,13 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 	defer s.Cleanup()
 
 	run := env("RUN", "ceiling0")
-	credHash := sha256.Sum256([]byte(env("CREDENTIAL", "Bearer sk_test_bench_tenant_0001")))
+	// The credential is hashed as Caddy hashes it, under the store's
+	// secret, so that the lookups find the records Caddy completed.
+	secret, serr := s.credentialSecret(context.Background())
+	if serr != nil {
+		t.Fatalf("the store's credential secret: %v", serr)
+	}
+	credHash := newCredentialHasher(secret).hash(env("CREDENTIAL", "Bearer sk_test_bench_tenant_0001"))
 	keys := int64(envInt("KEYS", 1000))
 	ctx := context.Background()
 
@@ -141,19 +151,26 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		out = map[string]any{"mode": mode, "max_conns": s.MaxConns, "concurrency": concurrency}
 	)
 	switch mode {
-	case "acquire_complete":
-		// A first execution's two statements, on a new key each time.
+	case "acquire_complete", "acquire_complete_batched":
+		// A first execution's two statements, on a new key each time:
+		// one statement per request each (the store's own statements,
+		// with batches of one), or through the store, whose concurrent
+		// requests share statements.
+		acquire, complete := s.Acquire, s.Complete
+		if mode == "acquire_complete" {
+			acquire, complete = s.acquireAlone, s.completeAlone
+		}
 		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
 			return func(ctx context.Context, seq int64) error {
 				req := request(load.Key(run, seq))
-				acq, err := s.Acquire(ctx, req)
+				acq, err := acquire(ctx, req)
 				if err != nil {
 					return err
 				}
 				if acq.Outcome != OutcomeCreated {
 					return fmt.Errorf("acquire: outcome %d, want created", acq.Outcome)
 				}
-				return s.Complete(ctx, req.Key, req.Token, resp, req.Retention)
+				return complete(ctx, req.Key, req.Token, resp, req.Retention)
 			}, nil
 		})
 	case "lookup":
@@ -162,6 +179,20 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
 			return func(ctx context.Context, seq int64) error {
 				return lookupOnce(ctx, s, RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)})
+			}, nil
+		})
+	case "lookup_batched":
+		// The same lookups, those in flight together sharing a statement
+		// as the store's batches do.
+		lookups := lookupBatcher(s)
+		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
+			return func(ctx context.Context, seq int64) error {
+				key := RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)}
+				found, err := lookups.do(ctx, key)
+				if err == nil && !found {
+					err = fmt.Errorf("lookup %s: no completed record", key.Key)
+				}
+				return err
 			}, nil
 		})
 	case "replay_statement":
@@ -191,13 +222,16 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		out["rows"] = total
 		out["seconds"] = time.Since(start).Seconds()
 	default:
-		t.Fatalf("IDEMPOTENCY_BENCH_CEILING=%q: want acquire_complete, lookup, replay_statement, preload or prune", mode)
+		t.Fatalf("IDEMPOTENCY_BENCH_CEILING=%q: want acquire_complete, acquire_complete_batched, lookup, lookup_batched, replay_statement, preload or prune", mode)
 	}
 	if err != nil {
 		t.Fatalf("%s: %v", mode, err)
 	}
 	if res.Requests > 0 || res.Errors > 0 {
 		out["result"] = res
+		// Connections are opened on demand and kept: what the pool
+		// holds now is the most the load needed at once.
+		out["pool_conns"] = s.pool.Stat().TotalConns()
 	}
 	data, _ := json.Marshal(out)
 	if path := env("OUT", ""); path != "" {
@@ -230,6 +264,79 @@ func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
 		return fmt.Errorf("lookup %s: %w", key.Key, err)
 	}
 	return nil
+}
+
+// acquireAlone is Acquire in a statement of its own, as a store that
+// does not batch would send it.
+func (s *PostgresStore) acquireAlone(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	c := &batchCall[AcquireRequest, AcquireResult]{ctx: ctx, req: req}
+	s.sendAcquires(ctx, []*batchCall[AcquireRequest, AcquireResult]{c})
+	return c.res, c.err
+}
+
+// completeAlone is Complete in a statement of its own.
+func (s *PostgresStore) completeAlone(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+	c := &batchCall[ownedRequest, bool]{ctx: ctx, req: ownedRequest{key: key, token: token, resp: &completion{
+		status: int32(resp.Status), headers: encodeHeaders(resp.Header), body: resp.Body,
+		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
+	}}}
+	s.sendOwned(ctx, opComplete, s.sql.complete, []*batchCall[ownedRequest, bool]{c})
+	if c.err == nil && !c.res {
+		return ErrLockLost
+	}
+	return c.err
+}
+
+// lookupBatcher looks completed records up in batches: the lookup
+// statement over arrays, scanning what a replay needs.
+func lookupBatcher(s *PostgresStore) *batcher[RecordKey, bool] {
+	sql := fmt.Sprintf(`SELECT i.n, %s
+FROM unnest($1::bytea[], $2::text[]) WITH ORDINALITY AS i(in_hash, in_key, n)
+CROSS JOIN LATERAL (SELECT * FROM %s WHERE credential_hash = i.in_hash AND key = i.in_key OFFSET 0) AS r
+WHERE status = 'completed' AND expires_at > now()`, recordColumns, s.table.quoted())
+	return &batcher[RecordKey, bool]{
+		lanes: batchLanes,
+		key:   func(k RecordKey) RecordKey { return k },
+		send: func(ctx context.Context, calls []*batchCall[RecordKey, bool]) {
+			var (
+				hashes [][]byte
+				keys   []string
+			)
+			for _, c := range calls {
+				hashes = append(hashes, c.req.CredentialHash[:])
+				keys = append(keys, c.req.Key)
+			}
+			rows, err := s.pool.Query(ctx, sql, hashes, keys)
+			if err == nil {
+				for rows.Next() {
+					var (
+						n                     int64
+						status, method, path  string
+						fingerprint           []byte
+						createdAt, expiresAt  time.Time
+						lockedAt, lockedUntil *time.Time
+						respStatus            *int32
+						respHeaders, respBody []byte
+						replayable            *bool
+						respSize              *int64
+						ttl                   int64
+					)
+					if err = rows.Scan(&n, &status, &fingerprint, &method, &path, &createdAt, &expiresAt,
+						&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl); err != nil {
+						break
+					}
+					calls[n-1].res = true
+				}
+				rows.Close()
+				if err == nil {
+					err = rows.Err()
+				}
+			}
+			for _, c := range calls {
+				c.err = err
+			}
+		},
+	}
 }
 
 // benchPreload inserts n completed records with generate_series, in

@@ -56,8 +56,8 @@ func (s *PostgresStore) EnableWaiting() {
 	s.listener = val.(*pgListener)
 	s.channel = notifyChannel(s.table)
 	s.listener.subscribe(s.channel)
-	s.sql.complete = notifying(s.sql.complete, 9)
-	s.sql.release = notifying(s.sql.release, 3)
+	s.sql.complete = completeSQL(s.table.quoted(), true)
+	s.sql.release = releaseSQL(s.table.quoted(), true)
 }
 
 // WaitCompleted implements Waiter.
@@ -72,15 +72,6 @@ func (s *PostgresStore) stopWaiting() {
 	}
 	s.listener.unsubscribe(s.channel)
 	_, _ = pgListeners.Delete(s.poolKey.dsn) // only a missing key errs
-}
-
-// notifying turns sql, a statement of params parameters that ends an
-// in-progress record (a completion or a release), into one that also
-// wakes the record's waiters: its two more parameters are the channel
-// and the record's payload. It reports the same row count, through its
-// SELECT.
-func notifying(sql string, params int) string {
-	return fmt.Sprintf("WITH done AS (\n%s\nRETURNING 1\n)\nSELECT pg_notify($%d, $%d) FROM done", sql, params+1, params+2)
 }
 
 // notifyChannel is the NOTIFY channel of a table. A hash keeps it within

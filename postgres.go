@@ -65,6 +65,9 @@ type PostgresStore struct {
 	// busy and drainMax are set by the handler (keepPoolWhile).
 	busy     func() bool
 	drainMax time.Duration
+	// The batchers of the request path's statements (pgbatch.go).
+	acquires                      *batcher[AcquireRequest, AcquireResult]
+	completes, releases, renewals *ownedBatcher
 	// listener and channel are set by EnableWaiting (pglisten.go).
 	listener *pgListener
 	channel  string
@@ -131,7 +134,11 @@ func (p sharedPool) Destruct() error {
 // with 16 connections than with 8, and through Caddy (make bench-pools,
 // interleaved runs) 6% more, for 3% fewer uncached replays, which compete
 // for the same two CPUs with twice the backends (docs/performance.md).
-// Connections are opened on demand: an idle instance holds few.
+// Connections are opened on demand: an idle instance holds few. Since
+// concurrent requests share statements (pgbatch.go), a handler's request
+// path holds at most batchLanes connections per kind of statement, five
+// in the benchmark's first executions; the pool's size matters for the
+// handlers and pruning that share it.
 func defaultMaxConns() int32 {
 	return int32(max(16, 4*runtime.GOMAXPROCS(0)))
 }
@@ -176,6 +183,16 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 			cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-idempotency"
 		}
+		// The batched statements are planned once per connection. A
+		// custom plan, for the array lengths of each execution, costs
+		// less on paper than the generic one (which assumes ten rows),
+		// so Postgres would plan them again at every execution: with 32
+		// acquires of one row in flight, the store alone ran half as
+		// many. Their generic plans look every row up through the
+		// primary key (TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired).
+		if _, ok := cfg.ConnConfig.RuntimeParams["plan_cache_mode"]; !ok {
+			cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
+		}
 		// Not Provision's context: it is cancelled when this config is
 		// unloaded, while the pool lives on in the next config.
 		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
@@ -190,6 +207,14 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	s.poolKey = key
 	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
 	s.sql = newPostgresSQL(s.table.quoted())
+	s.acquires = &batcher[AcquireRequest, AcquireResult]{
+		lanes: min(batchLanes, acquireSlots(s.MaxConns)),
+		key:   func(r AcquireRequest) RecordKey { return r.Key },
+		send:  s.sendAcquires,
+	}
+	s.completes = s.newOwnedBatcher(opComplete, &s.sql.complete)
+	s.releases = s.newOwnedBatcher(opRelease, &s.sql.release)
+	s.renewals = s.newOwnedBatcher(opRenew, &s.sql.renew)
 	warnAsyncReplication(ctx, s.pool, s.logger)
 
 	if s.Migrate == nil || *s.Migrate {
@@ -256,8 +281,9 @@ type postgresSQL struct {
 	// completedBy and gone tell, after a completion or a release that
 	// changed no row, whether an earlier attempt of the same call did.
 	completedBy, gone string
-	// lookup reads the live completed record of a key: the one
-	// primary-key lookup that a replay needs. acquire starts with it.
+	// lookup reads the live completed record of one key: the one
+	// primary-key lookup that a replay cannot do without, alone (bench
+	// row 7a measures it; acquire looks up every row of its batch).
 	lookup string
 }
 
@@ -273,14 +299,20 @@ const recordColumns = `status, fingerprint, method, path, created_at, expires_at
 	response_body, replayable, response_size,
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint AS ttl_us`
 
-// recordColumnNames names recordColumns in a row that gives them.
+// recordColumnNames names recordColumns in a row that gives them (in
+// acquire, the rows found).
 const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
 	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
 
-// leaseEnd is when the lease of the in-progress row r ends: locked_until,
-// or for rows written before migration 0002, locked_at plus the lock
-// timeout of the request that asks ($8).
-const leaseEnd = `COALESCE(r.locked_until, r.locked_at + $8::interval)`
+// leaseEnd is when the lease of the in-progress row r ends, in an ON
+// CONFLICT clause: locked_until, or for rows written before migration
+// 0002, locked_at plus the lock timeout of the request that asks (the
+// length of the lease it would set).
+const leaseEnd = `COALESCE(r.locked_until, r.locked_at + (excluded.locked_until - excluded.locked_at))`
+
+// microseconds turns a parameter of microseconds into an interval: the
+// batched statements take durations as arrays of bigint.
+const microseconds = ` * interval '1 microsecond'`
 
 func newPostgresSQL(table string) postgresSQL {
 	// The row is found through the primary key alone, and only then
@@ -296,13 +328,19 @@ FROM (SELECT * FROM %s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
 WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 	return postgresSQL{
 		lookup: lookup,
+		// Every request's row is looked up first, through the primary
+		// key (a lateral subquery per row, OFFSET 0 for the reason
+		// above), in the statement's snapshot.
+		//
 		// The INSERT claims the key when no row exists. When one does, ON
 		// CONFLICT turns it into a compare-and-swap that succeeds only on
 		// an expired record (treated as absent) or on a stale lock held
 		// for the same request; Postgres runs it on the latest committed
 		// row version, under the row lock, so exactly one concurrent
-		// caller wins. Whoever claims nothing reads the existing row
-		// instead, in the same statement.
+		// caller wins. Whoever claims nothing gets the row it looked up.
+		// A request whose row neither existed in the snapshot nor was
+		// claimed (another transaction inserted it after the snapshot
+		// was taken) gets -1 and tries again.
 		//
 		// The lease is the record's: its owner sets locked_until from
 		// its own lock timeout, and a takeover waits for it whatever the
@@ -315,9 +353,8 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// which is how the result tells a takeover from a creation.
 		//
 		// A live completed record, the common case of a retry, is
-		// immutable until it expires: the statement first reads it (the
-		// lookup, through the primary key) and then claims nothing, so a
-		// replay neither locks the row nor writes, and costs what a
+		// immutable until it expires: it is not offered to the INSERT,
+		// so a replay neither locks the row nor writes, and costs what a
 		// SELECT costs. Everything else goes to the INSERT, whose
 		// arbitration on the latest row version is what makes a key
 		// execute once.
@@ -326,19 +363,28 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		// lease, was created by an earlier attempt of this very acquire,
 		// whose reply was lost: it is the caller's, as created.
 		//
-		// $7 and $8 are the retention and the lock timeout.
-		acquire: fmt.Sprintf(`WITH live AS (
-%[5]s
-), mine AS (
-	SELECT %[6]s
-	FROM (SELECT * FROM %[1]s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
-	WHERE status = 'in_progress' AND lock_token = $6 AND locked_until > now()
+		// The requests of a batch are distinct keys (ON CONFLICT cannot
+		// affect a row twice), and the INSERT takes them in the batch's
+		// order, the same on every instance, so that batches never
+		// deadlock on each other's row locks.
+		acquire: fmt.Sprintf(`WITH input AS (
+	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::bytea[], $7::bigint[], $8::bigint[])
+		WITH ORDINALITY AS i(in_hash, in_key, in_fingerprint, in_method, in_path, in_token, in_retention_us, in_lock_us, n)
+), found AS (
+	SELECT i.n,
+		r.status = 'completed' AND r.expires_at > now() AS live,
+		r.status = 'in_progress' AND r.lock_token = i.in_token AND r.locked_until > now() AS mine,
+		%[5]s
+	FROM input AS i
+	CROSS JOIN LATERAL (SELECT * FROM %[1]s WHERE credential_hash = i.in_hash AND key = i.in_key OFFSET 0) AS r
 ), claimed AS (
 	INSERT INTO %[1]s AS r (credential_hash, key, fingerprint, method, path, status,
 		lock_token, locked_at, locked_until, created_at, expires_at)
-	SELECT $1, $2, $3, $4, $5, 'in_progress', $6, now(), now() + $8::interval, now(),
-		now() + GREATEST($7::interval, $8::interval)
-	WHERE NOT EXISTS (SELECT FROM live) AND NOT EXISTS (SELECT FROM mine)
+	SELECT in_hash, in_key, in_fingerprint, in_method, in_path, 'in_progress', in_token,
+		now(), now() + in_lock_us%[7]s, now(), now() + GREATEST(in_retention_us, in_lock_us)%[7]s
+	FROM input AS i
+	WHERE NOT EXISTS (SELECT FROM found AS f WHERE f.n = i.n AND (f.live OR f.mine))
+	ORDER BY n
 	ON CONFLICT (credential_hash, key) DO UPDATE SET
 		fingerprint = excluded.fingerprint,
 		method = excluded.method,
@@ -356,43 +402,27 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		replayable = NULL,
 		response_size = NULL,
 		completed_token = NULL
-	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[7]s <= now()))
+	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[6]s <= now()))
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
-			AND %[7]s < now())
-	RETURNING created_at = now() AS fresh, %[6]s
+			AND %[6]s < now())
+	RETURNING credential_hash, key, created_at = now() AS fresh
 )
-SELECT %[4]d, * FROM live
-UNION ALL
-SELECT %[2]d, * FROM mine
-UNION ALL
-SELECT CASE WHEN fresh THEN %[2]d ELSE %[3]d END, %[8]s
-FROM claimed
-UNION ALL
-SELECT %[4]d, %[6]s
-FROM %[1]s
-WHERE credential_hash = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed) AND NOT EXISTS (SELECT FROM live)
-	AND NOT EXISTS (SELECT FROM mine)`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, lookup, recordColumns, leaseEnd, recordColumnNames),
+SELECT i.n, CASE
+		WHEN c.fresh THEN %[2]d
+		WHEN NOT c.fresh THEN %[3]d
+		WHEN f.mine THEN %[2]d
+		WHEN f.n IS NOT NULL THEN %[4]d
+		ELSE -1
+	END,
+	%[8]s
+FROM input AS i
+LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
+LEFT JOIN found AS f ON f.n = i.n`,
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds, recordColumnNames),
 
-		// The retention ($9) counts from the completion: a request that
-		// ran long keeps its record as long as a quick one.
-		complete: fmt.Sprintf(`UPDATE %s SET
-	status = 'completed',
-	lock_token = NULL,
-	locked_at = NULL,
-	locked_until = NULL,
-	completed_token = $3,
-	expires_at = now() + $9::interval,
-	response_status = $4,
-	response_header_bytes = $5,
-	response_body = $6,
-	replayable = $7,
-	response_size = $8
-WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
-
-		release: fmt.Sprintf(`DELETE FROM %s
-WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
+		complete: completeSQL(table, false),
+		release:  releaseSQL(table, false),
 
 		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
 WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
@@ -401,11 +431,12 @@ WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'c
 
 		// The lease keeps the length its owner gave it at acquire; the
 		// record must outlive it.
-		renew: fmt.Sprintf(`UPDATE %s SET
+		renew: ownedStatement(table, false, `UPDATE %[1]s AS r SET
 	locked_at = now(),
-	locked_until = now() + (locked_until - locked_at),
-	expires_at = GREATEST(expires_at, now() + (locked_until - locked_at))
-WHERE credential_hash = $1 AND key = $2 AND lock_token = $3 AND status = 'in_progress'`, table),
+	locked_until = now() + (r.locked_until - r.locked_at),
+	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
+FROM input AS i
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`, "", ""),
 
 		// ctid lets the batch be picked through the expires_at index and
 		// deleted without a second lookup. The outer tests are rechecked
@@ -419,6 +450,58 @@ WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT 
 	}
 }
 
+// completeSQL is the batched completion of table. The retention counts
+// from the completion: a request that ran long keeps its record as long
+// as a quick one. A NULL body is one that was not kept. notify makes it
+// wake the records' waiters (pglisten.go).
+func completeSQL(table string, notify bool) string {
+	return ownedStatement(table, notify, `UPDATE %[1]s AS r SET
+	status = 'completed',
+	lock_token = NULL,
+	locked_at = NULL,
+	locked_until = NULL,
+	completed_token = i.in_token,
+	expires_at = now() + i.in_retention_us`+microseconds+`,
+	response_status = i.in_status,
+	response_header_bytes = i.in_headers,
+	response_body = i.in_body,
+	replayable = i.in_replayable,
+	response_size = i.in_size
+FROM input AS i
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`,
+		`, $4::int[], $5::bytea[], $6::bytea[], $7::boolean[], $8::bigint[], $9::bigint[]`,
+		`, in_status, in_headers, in_body, in_replayable, in_size, in_retention_us`)
+}
+
+// releaseSQL is the batched release of table; notify as for completeSQL.
+func releaseSQL(table string, notify bool) string {
+	return ownedStatement(table, notify, `DELETE FROM %[1]s AS r
+USING input AS i
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`, "", "")
+}
+
+// ownedStatement builds a batched statement on the records that callers
+// own: body works on the rows of input, each a record key and its owner's
+// token ($1, $2, $3) followed by the parameters whose array types and
+// column names are params and cols, and only on the rows that the token
+// still owns. The statement returns the ordinal of each row it changed:
+// a row missing from its answer has lost its lock. With notify, the
+// parameter after the arrays is the NOTIFY channel, and the next one the
+// payload of each row, and every row changed wakes its waiters.
+func ownedStatement(table string, notify bool, body, params, cols string) string {
+	input := fmt.Sprintf(`WITH input AS (
+	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[]%s)
+		WITH ORDINALITY AS i(in_hash, in_key, in_token%s, n)
+)`, params, cols)
+	body = fmt.Sprintf(body, table)
+	if !notify {
+		return input + "\n" + body + "\nRETURNING i.n"
+	}
+	n := 3 + strings.Count(params, "$")
+	return fmt.Sprintf("%s, done AS (\n%s\nRETURNING i.n\n)\nSELECT n, pg_notify($%d, ($%d::text[])[n]) FROM done",
+		input, body, n+1, n+2)
+}
+
 // acquireAttempts bounds the retries of Acquire's statement. It returns
 // no row only when another transaction inserted the key after the
 // statement's snapshot was taken: the conflict makes the INSERT see that
@@ -426,27 +509,12 @@ WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT 
 // snapshot sees it.
 const acquireAttempts = 5
 
-// Acquire implements Store.
-//
-// Acquires take at most acquireSlots of the pool's connections at once.
-// A request that owns a record must renew its lock and complete it
-// before the lock goes stale, or a retry takes the record over and runs
-// the request a second time. When the database falls behind, new
-// requests queue for connections faster than they get them; if owners
-// queued behind them, their renewals and completions would wait as long.
-// So new requests wait here instead, and the connections kept from them
-// serve the owners first: under overload, new requests are slowed or
-// refused (503, after the store timeout), never the ones in flight.
+// Acquire implements Store. The acquires of concurrent requests share
+// statements (pgbatch.go); each request gets its own outcome.
 func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	select {
-	case s.admitted <- struct{}{}:
-		defer func() { <-s.admitted }()
-	case <-ctx.Done():
-		return AcquireResult{}, fmt.Errorf("postgres store: acquire: waiting for a connection: %w", ctx.Err())
-	}
 	contended, start := 0, time.Now()
 	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
-		res, err := s.acquireOnce(ctx, req)
+		res, err := s.acquires.do(ctx, req)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			if contended++; contended < acquireAttempts {
@@ -456,7 +524,6 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		case err == nil:
 			return res, nil
 		}
-		s.dropDeadConns(err)
 		// A statement whose connection failed may have committed all
 		// the same: the record would then be locked by a request that
 		// never learned it, and every retry get 409 until the lock ran
@@ -494,61 +561,136 @@ func connectionLost(err error) bool {
 		(errors.As(err, &netErr) && !netErr.Timeout())
 }
 
-func (s *PostgresStore) acquireOnce(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+// sendAcquires runs the acquire statement for a batch of requests.
+//
+// Its statements take at most acquireSlots of the pool's connections at
+// once. A request that owns a record must renew its lock and complete it
+// before the lock goes stale, or a retry takes the record over and runs
+// the request a second time. When the database falls behind, new
+// requests queue for connections faster than they get them; if owners
+// queued behind them, their renewals and completions would wait as long.
+// So new requests wait here instead, and the connections kept from them
+// serve the owners first (whose statements have batchers of their own):
+// under overload, new requests are slowed or refused (503, after the
+// store timeout), never the ones in flight.
+func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[AcquireRequest, AcquireResult]) {
+	fail := func(err error) {
+		for _, c := range calls {
+			c.err = err
+		}
+	}
+	select {
+	case s.admitted <- struct{}{}:
+		defer func() { <-s.admitted }()
+	case <-ctx.Done():
+		fail(fmt.Errorf("waiting for a connection: %w", ctx.Err()))
+		return
+	}
 	var (
-		outcome     int32
-		rec         Record
-		status      string
-		fingerprint []byte
-		lockedAt    *time.Time
-		lockedUntil *time.Time
-		respStatus  *int32
-		respHeaders []byte
-		respBody    []byte
-		replayable  *bool
-		respSize    *int64
-		ttl         int64
+		hashes, fingerprints, tokens [][]byte
+		keys, methods, paths         []string
+		retentions, locks            []int64
 	)
-	err := s.pool.QueryRow(ctx, s.sql.acquire,
-		req.Key.CredentialHash[:], req.Key.Key, req.Fingerprint[:], req.Method, req.Path,
-		req.Token[:], req.Retention, req.LockTimeout,
-	).Scan(&outcome, &status, &fingerprint, &rec.Method, &rec.Path, &rec.CreatedAt, &rec.ExpiresAt,
-		&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl)
+	for _, c := range calls {
+		r := &c.req
+		hashes = append(hashes, r.Key.CredentialHash[:])
+		keys = append(keys, r.Key.Key)
+		fingerprints = append(fingerprints, r.Fingerprint[:])
+		methods = append(methods, r.Method)
+		paths = append(paths, r.Path)
+		tokens = append(tokens, r.Token[:])
+		retentions = append(retentions, r.Retention.Microseconds())
+		locks = append(locks, r.LockTimeout.Microseconds())
+	}
+	rows, err := s.pool.Query(ctx, s.sql.acquire, hashes, keys, fingerprints, methods, paths, tokens, retentions, locks)
 	if err != nil {
-		return AcquireResult{}, err
+		s.dropDeadConns(err)
+		fail(err)
+		return
 	}
-	if Outcome(outcome) != OutcomeExisting {
-		return AcquireResult{Outcome: Outcome(outcome)}, nil
-	}
-	rec.Status = Status(status)
-	copy(rec.Fingerprint[:], fingerprint)
-	rec.CreatedAt = rec.CreatedAt.UTC()
-	rec.ExpiresAt = rec.ExpiresAt.UTC()
-	if lockedAt != nil {
-		rec.LockedAt = lockedAt.UTC()
-	}
-	if lockedUntil != nil {
-		rec.LockedUntil = lockedUntil.UTC()
-	}
-	rec.TTL = time.Duration(ttl) * time.Microsecond
-	if rec.Status == StatusCompleted {
-		resp := &Response{Body: respBody}
-		if respStatus != nil {
-			resp.Status = int(*respStatus)
+	answered := 0
+	for rows.Next() {
+		var (
+			n           int64
+			outcome     int32
+			status      *string
+			fingerprint []byte
+			method      *string
+			path        *string
+			createdAt   *time.Time
+			expiresAt   *time.Time
+			lockedAt    *time.Time
+			lockedUntil *time.Time
+			respStatus  *int32
+			respHeaders []byte
+			respBody    []byte
+			replayable  *bool
+			respSize    *int64
+			ttl         *int64
+		)
+		if err = rows.Scan(&n, &outcome, &status, &fingerprint, &method, &path, &createdAt, &expiresAt,
+			&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl); err != nil {
+			break
 		}
-		if replayable != nil {
-			resp.Replayable = *replayable
+		if n < 1 || int(n) > len(calls) {
+			continue
 		}
-		if respSize != nil {
-			resp.BodySize = *respSize
+		c := calls[n-1]
+		answered++
+		switch {
+		case outcome < 0:
+			c.err = pgx.ErrNoRows
+			continue
+		case Outcome(outcome) != OutcomeExisting:
+			c.res = AcquireResult{Outcome: Outcome(outcome)}
+			continue
 		}
-		var err error
-		if resp.Header, err = decodeHeaders(respHeaders); err != nil {
-			return AcquireResult{}, fmt.Errorf("decoding stored response headers: %w", err)
+		rec := Record{
+			Status:    Status(*status),
+			Method:    *method,
+			Path:      *path,
+			CreatedAt: createdAt.UTC(),
+			ExpiresAt: expiresAt.UTC(),
+			TTL:       time.Duration(*ttl) * time.Microsecond,
 		}
-		rec.Response = resp
+		copy(rec.Fingerprint[:], fingerprint)
+		if lockedAt != nil {
+			rec.LockedAt = lockedAt.UTC()
+		}
+		if lockedUntil != nil {
+			rec.LockedUntil = lockedUntil.UTC()
+		}
+		if rec.Status == StatusCompleted {
+			resp := &Response{Body: respBody}
+			if respStatus != nil {
+				resp.Status = int(*respStatus)
+			}
+			if replayable != nil {
+				resp.Replayable = *replayable
+			}
+			if respSize != nil {
+				resp.BodySize = *respSize
+			}
+			var err error
+			if resp.Header, err = decodeHeaders(respHeaders); err != nil {
+				c.err = fmt.Errorf("decoding stored response headers: %w", err)
+				continue
+			}
+			rec.Response = resp
+		}
+		c.res = AcquireResult{Outcome: OutcomeExisting, Record: &rec}
 	}
-	return AcquireResult{Outcome: OutcomeExisting, Record: &rec}, nil
+	rows.Close()
+	if err == nil {
+		err = rows.Err()
+	}
+	if err == nil && answered != len(calls) {
+		err = fmt.Errorf("the statement answered %d of %d requests", answered, len(calls))
+	}
+	if err != nil {
+		s.dropDeadConns(err)
+		fail(err)
+	}
 }
 
 // Complete implements Store.
@@ -561,8 +703,10 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 			body = []byte{}
 		}
 	}
-	err := s.execOwned(ctx, opComplete, s.sql.complete, key, token,
-		resp.Status, encodeHeaders(resp.Header), body, resp.Replayable, resp.BodySize, retention)
+	err := s.execOwned(ctx, s.completes, ownedRequest{key: key, token: token, resp: &completion{
+		status: int32(resp.Status), headers: encodeHeaders(resp.Header), body: body,
+		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
+	}})
 	if permanentError(err) {
 		return fmt.Errorf("%w: %w", ErrUnstorable, err)
 	}
@@ -608,7 +752,7 @@ func permanentError(err error) bool {
 // an earlier attempt whose reply was lost, or an operator, deleted it;
 // either way the key is free.
 func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
-	err := s.execOwned(ctx, opRelease, s.sql.release, key, token)
+	err := s.execOwned(ctx, s.releases, ownedRequest{key: key, token: token})
 	if errors.Is(err, ErrLockLost) {
 		return s.afterLockLost(ctx, opRelease, s.sql.gone, key.CredentialHash[:], key.Key)
 	}
@@ -617,26 +761,137 @@ func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockTo
 
 // Renew implements Store.
 func (s *PostgresStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
-	return s.execOwned(ctx, opRenew, s.sql.renew, key, token)
+	return s.execOwned(ctx, s.renewals, ownedRequest{key: key, token: token})
+}
+
+// ownedRequest is a statement on a record that the caller owns under
+// token: a completion (with resp), a release or a renewal.
+type ownedRequest struct {
+	key   RecordKey
+	token LockToken
+	resp  *completion
+}
+
+// completion is a response as the complete statement stores it.
+type completion struct {
+	status     int32
+	headers    []byte
+	body       []byte
+	replayable bool
+	size       int64
+	retention  time.Duration
+}
+
+// ownedBatcher sends one kind of statement on owned records.
+type ownedBatcher = batcher[ownedRequest, bool]
+
+// newOwnedBatcher returns the batcher of the statement that *sql holds
+// (read at each batch: EnableWaiting changes it), op naming it in errors.
+func (s *PostgresStore) newOwnedBatcher(op string, sql *string) *ownedBatcher {
+	return &ownedBatcher{
+		lanes: batchLanes,
+		key:   func(r ownedRequest) RecordKey { return r.key },
+		size: func(r ownedRequest) int {
+			if r.resp == nil {
+				return 0
+			}
+			return len(r.resp.headers) + len(r.resp.body)
+		},
+		send: func(ctx context.Context, calls []*batchCall[ownedRequest, bool]) {
+			s.sendOwned(ctx, op, *sql, calls)
+		},
+	}
 }
 
 // execOwned runs a statement conditioned on the caller still owning the
-// record: no row affected means that the lock was lost.
-func (s *PostgresStore) execOwned(ctx context.Context, op, sql string, key RecordKey, token LockToken, args ...any) error {
-	args = append([]any{key.CredentialHash[:], key.Key, token[:]}, args...)
-	if s.listener != nil && op != opRenew {
-		// EnableWaiting made the statements that end a record notify.
-		args = append(args, s.channel, notifyPayload(key))
-	}
-	tag, err := s.pool.Exec(ctx, sql, args...)
+// record, in a batch: a row the statement did not change means that the
+// lock was lost.
+func (s *PostgresStore) execOwned(ctx context.Context, b *ownedBatcher, req ownedRequest) error {
+	changed, err := b.do(ctx, req)
 	if err != nil {
-		s.dropDeadConns(err)
-		return fmt.Errorf("postgres store: %s: %w", op, err)
+		return err
 	}
-	if tag.RowsAffected() == 0 {
+	if !changed {
 		return ErrLockLost
 	}
 	return nil
+}
+
+// sendOwned runs sql for a batch of owned records and tells each call
+// whether its row changed. The database refusing one row's data (a
+// permanent error) would fail the whole statement: the rows of a batch
+// that failed so are then sent alone, so that only the culprit fails.
+func (s *PostgresStore) sendOwned(ctx context.Context, op, sql string, calls []*batchCall[ownedRequest, bool]) {
+	var (
+		hashes, tokens [][]byte
+		keys           []string
+		args           []any
+	)
+	for _, c := range calls {
+		hashes = append(hashes, c.req.key.CredentialHash[:])
+		keys = append(keys, c.req.key.Key)
+		tokens = append(tokens, c.req.token[:])
+	}
+	args = append(args, hashes, keys, tokens)
+	if calls[0].req.resp != nil {
+		var (
+			statuses          []int32
+			headers, bodies   [][]byte
+			replayables       []bool
+			sizes, retentions []int64
+		)
+		for _, c := range calls {
+			r := c.req.resp
+			statuses = append(statuses, r.status)
+			headers = append(headers, r.headers)
+			bodies = append(bodies, r.body)
+			replayables = append(replayables, r.replayable)
+			sizes = append(sizes, r.size)
+			retentions = append(retentions, r.retention.Microseconds())
+		}
+		args = append(args, statuses, headers, bodies, replayables, sizes, retentions)
+	}
+	var n int64
+	dest := []any{&n}
+	if s.listener != nil && op != opRenew {
+		// EnableWaiting made the statements that end a record notify:
+		// their rows have a second column, pg_notify's void.
+		dest = append(dest, nil)
+		payloads := make([]string, len(calls))
+		for i, c := range calls {
+			payloads[i] = notifyPayload(c.req.key)
+		}
+		args = append(args, s.channel, payloads)
+	}
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err == nil {
+		for rows.Next() {
+			if err = rows.Scan(dest...); err != nil {
+				break
+			}
+			if n >= 1 && int(n) <= len(calls) {
+				calls[n-1].res = true
+			}
+		}
+		rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+	}
+	if err == nil {
+		return
+	}
+	s.dropDeadConns(err)
+	if permanentError(err) && len(calls) > 1 {
+		for _, c := range calls {
+			c.res = false
+			s.sendOwned(ctx, op, sql, []*batchCall[ownedRequest, bool]{c})
+		}
+		return
+	}
+	for _, c := range calls {
+		c.res, c.err = false, fmt.Errorf("postgres store: %s: %w", op, err)
+	}
 }
 
 // dropDeadConns empties the pool when err says the server ended a

@@ -909,7 +909,9 @@ func TestPostgresUnmarshalCaddyfile(t *testing.T) {
 // like to the planner during a pruning backlog: there, the expires_at
 // index looks as if it held next to no live row, and a lookup through it
 // filters every live record. Both the generic plan of a prepared
-// statement and a custom one are checked.
+// statement and a custom one are checked, for batches of one row and
+// full ones: the arrays of a batch are matched through the primary key,
+// never by a scan of the table.
 func TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired(t *testing.T) {
 	t.Parallel()
 	s := newTestPostgresStore(t, freshTable(t), 2)
@@ -930,12 +932,27 @@ FROM generate_series(1, 20000) AS i`)
 		hash  = `'\x` + "0000000000000000000000000000000000000000000000000000000000000000" + `'::bytea`
 		token = `'\x` + "00000000000000000000000000000000" + `'::bytea`
 	)
+	// The batched statements take arrays: batches of one and full ones.
+	arr := func(elem string, rows int) string {
+		return "ARRAY[" + strings.TrimSuffix(strings.Repeat(elem+", ", rows), ", ") + "]"
+	}
 	statements := map[string]struct{ sql, args string }{
-		"lookup":   {s.sql.lookup, hash + `, 'key-00000001'`},
-		"acquire":  {s.sql.acquire, hash + `, 'key-00000001', ` + hash + `, 'POST', '/v1/charges', ` + token + `, '24h'::interval, '30s'::interval`},
-		"complete": {s.sql.complete, hash + `, 'key-00000001', ` + token + `, 200, '\x01'::bytea, '\x00'::bytea, true, 1, '24h'::interval`},
-		"renew":    {s.sql.renew, hash + `, 'key-00000001', ` + token},
-		"release":  {s.sql.release, hash + `, 'key-00000001', ` + token},
+		"lookup": {s.sql.lookup, hash + `, 'key-00000001'`},
+	}
+	for _, rows := range []int{1, batchRows} {
+		keys := make([]string, rows)
+		for i := range keys {
+			keys[i] = fmt.Sprintf("'key-%08d'", i)
+		}
+		owned := arr(hash, rows) + ", ARRAY[" + strings.Join(keys, ", ") + "], " + arr(token, rows)
+		statements[fmt.Sprintf("acquire %d", rows)] = struct{ sql, args string }{s.sql.acquire,
+			arr(hash, rows) + ", ARRAY[" + strings.Join(keys, ", ") + "], " + arr(hash, rows) + ", " + arr(`'POST'`, rows) + ", " +
+				arr(`'/v1/charges'`, rows) + ", " + arr(token, rows) + ", " + arr("86400000000::bigint", rows) + ", " + arr("30000000::bigint", rows)}
+		statements[fmt.Sprintf("complete %d", rows)] = struct{ sql, args string }{s.sql.complete,
+			owned + ", " + arr("200", rows) + ", " + arr(`'\x01'::bytea`, rows) + ", " + arr(`'\x00'::bytea`, rows) + ", " +
+				arr("true", rows) + ", " + arr("1::bigint", rows) + ", " + arr("86400000000::bigint", rows)}
+		statements[fmt.Sprintf("renew %d", rows)] = struct{ sql, args string }{s.sql.renew, owned}
+		statements[fmt.Sprintf("release %d", rows)] = struct{ sql, args string }{s.sql.release, owned}
 	}
 	for name, st := range statements {
 		if _, err := conn.Exec(ctx, "PREPARE plan_check AS "+st.sql); err != nil {
@@ -954,7 +971,7 @@ FROM generate_series(1, 20000) AS i`)
 				t.Fatalf("%s, %s: EXPLAIN: %v", name, mode, err)
 			}
 			plan := strings.Join(lines, "\n")
-			if strings.Contains(plan, "expires_at_idx") || !strings.Contains(plan, "_pkey") {
+			if strings.Contains(plan, "expires_at_idx") || strings.Contains(plan, "Seq Scan") || !strings.Contains(plan, "_pkey") {
 				t.Errorf("%s, %s: the plan does not look the key up through the primary key:\n%s", name, mode, plan)
 			}
 		}
@@ -1008,9 +1025,10 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 			_, _ = s.Acquire(stuckCtx, retryRequest(hot))
 		}()
 	}
-	// Wait until the acquires hold every connection they may. (Not
-	// asked of the locker: a transaction sees one snapshot of the
-	// activity statistics.)
+	// Wait until the acquires hold every connection they may: one per
+	// lane of their batcher, each batch holding one request for the key
+	// (two cannot share a statement). (Not asked of the locker: a
+	// transaction sees one snapshot of the activity statistics.)
 	watcher, err := pgx.Connect(ctx, testDSN(t))
 	if err != nil {
 		t.Fatal(err)
@@ -1024,11 +1042,11 @@ WHERE wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO
 			s.table.quoted()).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}
-		if waiting >= acquireSlots(maxConns) {
+		if waiting >= s.acquires.lanes {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("only %d acquires are waiting for the row lock, want %d", waiting, acquireSlots(maxConns))
+			t.Fatalf("only %d acquires are waiting for the row lock, want %d", waiting, s.acquires.lanes)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

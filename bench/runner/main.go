@@ -9,10 +9,14 @@
 //	4   replay, Postgres store, replay cache on
 //	5a  first execution, memory store
 //	5b  replay, memory store
-//	6   store ceiling: acquire + complete, the store's own SQL through pgx, no HTTP
+//	6   store ceiling: acquire + complete, the store's own SQL through pgx, no HTTP,
+//	    one statement per request
+//	6b  batched store ceiling: the same through the store, whose concurrent
+//	    requests share statements
 //	7a  lookup ceiling: the primary-key lookup of a completed record through pgx
 //	7b  Caddy respond with the same ~1 KiB body
-//	7c  (for reference) the replay statement, acquire on a completed key, through pgx
+//	7c  (for reference) the replay statement, acquire on a completed key, through the store
+//	7d  batched lookup ceiling: the lookups in flight together share a statement
 //
 // and prints requests/s, p50 and p99 for each, and the ratios,
 // computed from figures of this run only. -scale adds the scale runs
@@ -228,8 +232,8 @@ func (r runNames) name(row string) string { return fmt.Sprintf("%s%-4.4s", r.pre
 // tables are the Postgres tables of one run.
 type tables struct {
 	dsn    string
-	main   string // rows 2, 3, 4, 7a, 7c and the scale runs
-	store  string // row 6: an empty table, as row 2 starts from
+	main   string // rows 2, 3, 4, 7a, 7c, 7d and the scale runs
+	store  string // rows 6 and 6b: an empty table, as row 2 starts from
 	pools  string
 	others []string
 }
@@ -512,7 +516,7 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 		}
 	}
 	replayKeys := run.name("3")
-	if selected("3") || selected("4") || selected("7a") || selected("7c") {
+	if selected("3") || selected("4") || selected("7a") || selected("7c") || selected("7d") {
 		progress("row 3: completing %d keys for the replay rows", keys)
 		c, err := b.startCaddy("row3", b.postgresSite(t.main, "replay_cache off"))
 		if err != nil {
@@ -546,6 +550,12 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 			return nil, err
 		}
 	}
+	if selected("6b") {
+		if err := add(b.ceilingRow(ctx, "6b", "batched store ceiling: acquire + complete via the store", "acquire_complete_batched",
+			map[string]string{"TABLE": t.store, "RUN": run.name("6b")})); err != nil {
+			return nil, err
+		}
+	}
 	lookupEnv := map[string]string{"TABLE": t.main, "RUN": replayKeys, "KEYS": strconv.Itoa(keys)}
 	if selected("7a") {
 		if err := add(b.ceilingRow(ctx, "7a", "lookup ceiling: replay SELECT via pgx", "lookup", lookupEnv)); err != nil {
@@ -553,11 +563,16 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 		}
 	}
 	if selected("7c") {
-		if err := add(b.ceilingRow(ctx, "7c", "(ref.) acquire on a completed key via pgx", "replay_statement", lookupEnv)); err != nil {
+		if err := add(b.ceilingRow(ctx, "7c", "(ref.) acquire on a completed key via the store", "replay_statement", lookupEnv)); err != nil {
 			return nil, err
 		}
 	}
-	order := []string{"1", "2", "3", "4", "5a", "5b", "6", "7a", "7b", "7c"}
+	if selected("7d") {
+		if err := add(b.ceilingRow(ctx, "7d", "batched lookup ceiling: replay SELECTs sharing statements", "lookup_batched", lookupEnv)); err != nil {
+			return nil, err
+		}
+	}
+	order := []string{"1", "2", "3", "4", "5a", "5b", "6", "6b", "7a", "7b", "7c", "7d"}
 	sorted := make([]row, 0, len(rows))
 	for _, id := range order {
 		for _, r := range rows {

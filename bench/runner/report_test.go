@@ -22,7 +22,7 @@ func TestCompose(t *testing.T) {
 }
 
 func TestRatiosFromTheRun(t *testing.T) {
-	rps := map[string]float64{"1": 10000, "2": 1700, "3": 6000, "4": 14000, "5a": 9100, "5b": 13000, "6": 2500, "7a": 20000, "7b": 15000}
+	rps := map[string]float64{"1": 10000, "2": 1700, "3": 6000, "4": 14000, "5a": 9100, "5b": 13000, "6": 2500, "6b": 5000, "7a": 20000, "7b": 15000, "7d": 40000}
 	var rows []row
 	for id, v := range rps {
 		rows = append(rows, row{ID: id, measurement: measurement{Result: load.Result{RPS: v}}})
@@ -36,14 +36,16 @@ func TestRatiosFromTheRun(t *testing.T) {
 		"5b / 7b":       13000.0 / 15000,
 		"4 / 7b":        14000.0 / 15000,
 		"2 / L(1, 6)":   1700 / compose(10000, 2500),
+		"2 / L(1, 6b)":  1700 / compose(10000, 5000),
 		"3 / L(7b, 7a)": 6000 / compose(15000, 20000),
+		"3 / L(7b, 7d)": 6000 / compose(15000, 40000),
 	}
 	for f, v := range want {
 		if math.Abs(got[f].Value-v) > 1e-9 {
 			t.Errorf("%s = %v, want %v", f, got[f].Value, v)
 		}
 	}
-	if !got["5a / 1"].Met || got["5b / 7b"].Met || !got["2 / L(1, 6)"].Met {
+	if !got["5a / 1"].Met || got["5b / 7b"].Met || got["2 / L(1, 6)"].Met || got["2 / L(1, 6b)"].Met {
 		t.Errorf("verdicts: %+v", got)
 	}
 

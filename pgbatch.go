@@ -1,0 +1,180 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
+// Group commit. Postgres spends most of a statement's cost on the
+// statement itself (a wake-up, a parse/bind/execute, a commit, a write
+// each side), little on its row. So the requests that need the same kind
+// of statement at the same time share one: a batcher sends whatever is
+// queued as one statement over arrays, and while it is in flight the
+// next batch gathers. Nothing waits for a batch to fill: an idle store
+// sends batches of one at once, as it sent single statements before.
+
+// batchRows and batchBytes bound a batch: a batch of many rows holds its
+// row locks, and the requests behind it, for longer, and a batch of
+// large responses is a large message.
+const (
+	batchRows  = 64
+	batchBytes = 1 << 20
+)
+
+// batchLanes is how many statements of one kind a store has in flight at
+// once. Two let a batch gather while the previous one's commit is being
+// flushed, and keep a statement that waits for a row lock from stopping
+// its kind altogether.
+const batchLanes = 2
+
+// batchCall is one request's part of a batch: the batch's sender sets
+// res and err, then closes done.
+type batchCall[Req, Res any] struct {
+	ctx  context.Context
+	req  Req
+	res  Res
+	err  error
+	done chan struct{}
+}
+
+// batcher sends the calls queued for one kind of statement, in batches,
+// over at most lanes statements at a time.
+type batcher[Req, Res any] struct {
+	lanes int
+	// key is the row a request works on: two calls for one row never
+	// share a statement (an INSERT ... ON CONFLICT DO UPDATE cannot
+	// affect a row twice), so the later waits for the next batch.
+	key func(Req) RecordKey
+	// size is what a request adds to the statement, in bytes.
+	size func(Req) int
+	// send runs one statement for calls, sorted by key, and sets each
+	// call's outcome.
+	send func(ctx context.Context, calls []*batchCall[Req, Res])
+
+	mu      sync.Mutex
+	queue   []*batchCall[Req, Res]
+	sending int
+}
+
+// do queues req and returns its outcome once its batch has run, or ctx's
+// error once ctx is done.
+func (b *batcher[Req, Res]) do(ctx context.Context, req Req) (Res, error) {
+	c := &batchCall[Req, Res]{ctx: ctx, req: req, done: make(chan struct{})}
+	b.mu.Lock()
+	b.queue = append(b.queue, c)
+	var batch []*batchCall[Req, Res]
+	if b.sending < b.lanes {
+		if batch = b.take(); len(batch) > 0 {
+			b.sending++
+		}
+	}
+	b.mu.Unlock()
+	if len(batch) > 0 {
+		// The caller sends the batch it started itself, which spares an
+		// idle store a goroutine's start per request; what queued
+		// meanwhile goes on in a goroutine of its own.
+		b.sendBatch(batch)
+		if next := b.next(); len(next) > 0 {
+			go b.run(next)
+		}
+	}
+	select {
+	case <-c.done:
+		return c.res, c.err
+	case <-ctx.Done():
+		var zero Res
+		return zero, ctx.Err()
+	}
+}
+
+// run sends batch, then whatever queued meanwhile, until the queue is
+// empty.
+func (b *batcher[Req, Res]) run(batch []*batchCall[Req, Res]) {
+	for len(batch) > 0 {
+		b.sendBatch(batch)
+		batch = b.next()
+	}
+}
+
+// next takes the batch that follows one just sent, or gives up the
+// sender's lane when nothing is queued.
+func (b *batcher[Req, Res]) next() []*batchCall[Req, Res] {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	batch := b.take()
+	if len(batch) == 0 {
+		b.sending--
+	}
+	return batch
+}
+
+// take removes the next batch from the queue, in arrival order, within
+// the bounds, one call per key. Calls whose requests have given up are
+// dropped. The caller holds mu.
+func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
+	var (
+		batch []*batchCall[Req, Res]
+		rest  = b.queue[:0]
+		keys  = make(map[RecordKey]struct{}, min(len(b.queue), batchRows))
+		size  int
+	)
+	for _, c := range b.queue {
+		if c.ctx.Err() != nil {
+			c.err = c.ctx.Err()
+			close(c.done)
+			continue
+		}
+		k := b.key(c.req)
+		_, dup := keys[k]
+		n := 0
+		if b.size != nil {
+			n = b.size(c.req)
+		}
+		if dup || len(batch) == batchRows || (len(batch) > 0 && size+n > batchBytes) {
+			rest = append(rest, c)
+			continue
+		}
+		keys[k] = struct{}{}
+		size += n
+		batch = append(batch, c)
+	}
+	clear(b.queue[len(rest):])
+	b.queue = rest
+	return batch
+}
+
+// sendBatch runs one statement for batch. The statement is cancelled
+// only once every request of the batch has given up: one request's
+// deadline must not fail the others.
+func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var left atomic.Int32
+	left.Store(int32(len(batch)))
+	stops := make([]func() bool, len(batch))
+	for i, c := range batch {
+		stops[i] = context.AfterFunc(c.ctx, func() {
+			if left.Add(-1) == 0 {
+				cancel()
+			}
+		})
+	}
+	// One order for the rows of every statement, on every instance: two
+	// statements that lock rows in the same order never deadlock.
+	slices.SortFunc(batch, func(x, y *batchCall[Req, Res]) int {
+		kx, ky := b.key(x.req), b.key(y.req)
+		if c := bytes.Compare(kx.CredentialHash[:], ky.CredentialHash[:]); c != 0 {
+			return c
+		}
+		return strings.Compare(kx.Key, ky.Key)
+	})
+	b.send(ctx, batch)
+	for i, c := range batch {
+		stops[i]()
+		close(c.done)
+	}
+	cancel()
+}

@@ -1,0 +1,277 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// sendAcquireBatch runs reqs as one batch, one statement, and returns the
+// calls in the order of reqs.
+func sendAcquireBatch(s *PostgresStore, reqs ...AcquireRequest) []*batchCall[AcquireRequest, AcquireResult] {
+	calls := make([]*batchCall[AcquireRequest, AcquireResult], len(reqs))
+	for i, r := range reqs {
+		calls[i] = &batchCall[AcquireRequest, AcquireResult]{ctx: context.Background(), req: r, done: make(chan struct{})}
+	}
+	s.acquires.sendBatch(slices.Clone(calls))
+	return calls
+}
+
+// One statement acquires rows in every state, and each request gets the
+// outcome it would have got alone.
+func TestPostgresBatchedAcquireGivesEachRowItsOutcome(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 2)
+	ctx := context.Background()
+
+	fresh := testAcquireRequest("cred", "new", "body")
+	done := testAcquireRequest("cred", "done", "body")
+	mustAcquirePG(t, s, done, OutcomeCreated)
+	if err := s.Complete(ctx, done.Key, done.Token, &Response{Status: 201, Body: []byte("ok"), Replayable: true, BodySize: 2}, done.Retention); err != nil {
+		t.Fatal(err)
+	}
+	busy := testAcquireRequest("cred", "busy", "body")
+	mustAcquirePG(t, s, busy, OutcomeCreated)
+	mine := testAcquireRequest("cred", "mine", "body")
+	mustAcquirePG(t, s, mine, OutcomeCreated)
+	stale := testAcquireRequest("cred", "stale", "body")
+	mustAcquirePG(t, s, stale, OutcomeCreated)
+	staleOther := testAcquireRequest("cred", "stale-other", "body")
+	mustAcquirePG(t, s, staleOther, OutcomeCreated)
+	expired := testAcquireRequest("cred", "expired", "body")
+	mustAcquirePG(t, s, expired, OutcomeCreated)
+	if err := s.Complete(ctx, expired.Key, expired.Token, &Response{Status: 201, Replayable: true}, expired.Retention); err != nil {
+		t.Fatal(err)
+	}
+	otherTenant := testAcquireRequest("another cred", "done", "body")
+	mustExec(t, s, "UPDATE "+s.table.quoted()+` SET locked_at = now() - interval '1 hour', locked_until = now() - interval '1 hour' + interval '30 seconds'
+WHERE key IN ('stale', 'stale-other')`)
+	mustExec(t, s, "UPDATE "+s.table.quoted()+` SET expires_at = now() - interval '1 second' WHERE key = 'expired'`)
+
+	calls := sendAcquireBatch(s,
+		fresh, retryRequest(done), retryRequest(busy), mine, retryRequest(stale),
+		testAcquireRequest("cred", "stale-other", "another body"), retryRequest(expired), otherTenant)
+	want := []struct {
+		outcome Outcome
+		status  Status
+	}{
+		{OutcomeCreated, ""}, {OutcomeExisting, StatusCompleted}, {OutcomeExisting, StatusInProgress},
+		{OutcomeCreated, ""}, {OutcomeTakenOver, ""}, {OutcomeExisting, StatusInProgress},
+		{OutcomeCreated, ""}, {OutcomeCreated, ""},
+	}
+	for i, c := range calls {
+		if c.err != nil {
+			t.Errorf("%s: %v", c.req.Key.Key, c.err)
+			continue
+		}
+		if c.res.Outcome != want[i].outcome {
+			t.Errorf("%s: outcome %d, want %d", c.req.Key.Key, c.res.Outcome, want[i].outcome)
+			continue
+		}
+		if want[i].status == "" {
+			if c.res.Record != nil {
+				t.Errorf("%s: a record with outcome %d", c.req.Key.Key, c.res.Outcome)
+			}
+			continue
+		}
+		if c.res.Record == nil || c.res.Record.Status != want[i].status {
+			t.Errorf("%s: record %+v, want status %s", c.req.Key.Key, c.res.Record, want[i].status)
+		}
+	}
+	if r := calls[1].res.Record; r != nil && (r.Response == nil || string(r.Response.Body) != "ok" || r.TTL <= 0) {
+		t.Errorf("completed record: %+v", r)
+	}
+	if r := calls[5].res.Record; r != nil && r.Fingerprint != staleOther.Fingerprint {
+		t.Error("another request took a stale lock over")
+	}
+}
+
+// The owners' statements tell each row of a batch its own fate: a lost
+// lock fails its row alone, and so does a response that the database
+// refuses.
+func TestPostgresBatchedCompleteGivesEachRowItsOutcome(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStore(t, freshTable(t), 2)
+	mustExec(t, s, "ALTER TABLE "+s.table.quoted()+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 5)")
+	var reqs []AcquireRequest
+	for i := range 4 {
+		r := testAcquireRequest("cred", fmt.Sprintf("key-%d", i), "body")
+		mustAcquirePG(t, s, r, OutcomeCreated)
+		reqs = append(reqs, r)
+	}
+	send := func(rs ...ownedRequest) []*batchCall[ownedRequest, bool] {
+		calls := make([]*batchCall[ownedRequest, bool], len(rs))
+		for i, r := range rs {
+			calls[i] = &batchCall[ownedRequest, bool]{ctx: context.Background(), req: r, done: make(chan struct{})}
+		}
+		s.completes.sendBatch(slices.Clone(calls))
+		return calls
+	}
+	completion := func(body string) *completion {
+		return &completion{status: 201, body: []byte(body), replayable: true, size: int64(len(body)), retention: time.Hour}
+	}
+	calls := send(
+		ownedRequest{key: reqs[0].Key, token: reqs[0].Token, resp: completion("ok")},
+		ownedRequest{key: reqs[1].Key, token: newLockToken(), resp: completion("ok")},
+		ownedRequest{key: reqs[2].Key, token: reqs[2].Token, resp: completion("far too long")},
+		ownedRequest{key: reqs[3].Key, token: reqs[3].Token, resp: completion("ok")},
+	)
+	for i, want := range []bool{true, false, false, true} {
+		if c := calls[i]; c.res != want {
+			t.Errorf("%s: changed %v (%v), want %v", c.req.key.Key, c.res, c.err, want)
+		}
+	}
+	if !permanentError(calls[2].err) {
+		t.Errorf("the refused response: %v, want the database's refusal", calls[2].err)
+	}
+	for _, i := range []int{0, 1, 3} {
+		if calls[i].err != nil {
+			t.Errorf("%s: %v", calls[i].req.key.Key, calls[i].err)
+		}
+	}
+}
+
+// Two requests for one key never share a statement: the later one waits
+// for the next batch, while the other keys go with the first.
+func TestBatcherDefersDuplicateKeys(t *testing.T) {
+	release := make(chan struct{})
+	var (
+		mu      sync.Mutex
+		batches [][]string
+	)
+	b := &batcher[RecordKey, bool]{
+		lanes: 1,
+		key:   func(k RecordKey) RecordKey { return k },
+		send: func(_ context.Context, calls []*batchCall[RecordKey, bool]) {
+			var keys []string
+			for _, c := range calls {
+				keys = append(keys, c.req.Key)
+				c.res = true
+			}
+			mu.Lock()
+			batches = append(batches, keys)
+			mu.Unlock()
+			<-release
+		},
+	}
+	key := func(k string) RecordKey { return RecordKey{Key: k} }
+	var wg sync.WaitGroup
+	do := func(k string) {
+		wg.Go(func() {
+			if ok, err := b.do(context.Background(), key(k)); !ok || err != nil {
+				t.Errorf("%s: %v, %v", k, ok, err)
+			}
+		})
+	}
+	queued := func(n int) {
+		waitFor(t, 5*time.Second, fmt.Sprintf("%d queued", n), func() bool {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.queue) == n
+		})
+	}
+	do("first")
+	waitFor(t, 5*time.Second, "the first batch", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(batches) == 1
+	})
+	do("a")
+	queued(1)
+	do("a")
+	queued(2)
+	do("b")
+	queued(3)
+	close(release)
+	wg.Wait()
+	got := fmt.Sprint(batches)
+	if got != "[[first] [a b] [a]]" {
+		t.Errorf("batches %s, want [[first] [a b] [a]]", got)
+	}
+}
+
+// Two instances (two stores, two pools) send batches over the same keys
+// at once. Every batch locks its rows in one order, the same on every
+// instance, so no statement ever deadlocks; and the batches are real
+// (fewer statements than requests).
+func TestPostgresBatchesOfTwoInstancesNeverDeadlock(t *testing.T) {
+	table := freshTable(t)
+	statementCounter.watch(t, table)
+	stores := []*PostgresStore{newTestPostgresStore(t, table, 8), newTestPostgresStore(t, table, 9)}
+	if stores[0].pool == stores[1].pool {
+		t.Fatal("the two instances share a pool")
+	}
+	const (
+		workers = 16
+		keys    = 24
+	)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	var (
+		wg       sync.WaitGroup
+		acquires atomic.Int64
+		owned    atomic.Int64
+	)
+	fail := func(what string, err error) {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "40P01" {
+			t.Errorf("%s: deadlock: %v", what, err)
+			return
+		}
+		t.Errorf("%s: %v", what, err)
+	}
+	for _, s := range stores {
+		for w := range workers {
+			wg.Go(func() {
+				rng := rand.New(rand.NewPCG(uint64(w), 1))
+				for ctx.Err() == nil {
+					req := testAcquireRequest("cred", fmt.Sprintf("key-%02d", rng.IntN(keys)), "body")
+					req.LockTimeout, req.Retention = time.Second, time.Second+50*time.Millisecond
+					res, err := s.Acquire(context.Background(), req)
+					acquires.Add(1)
+					if err != nil {
+						fail("acquire", err)
+						return
+					}
+					if res.Outcome == OutcomeExisting {
+						continue
+					}
+					owned.Add(1)
+					if err := s.Renew(context.Background(), req.Key, req.Token); err != nil && !errors.Is(err, ErrLockLost) {
+						fail("renew", err)
+						return
+					}
+					if rng.IntN(4) == 0 {
+						err = s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Replayable: true}, req.Retention)
+					} else {
+						err = s.Release(context.Background(), req.Key, req.Token)
+					}
+					if err != nil && !errors.Is(err, ErrLockLost) {
+						fail("complete or release", err)
+						return
+					}
+				}
+			})
+		}
+	}
+	wg.Wait()
+	statements, _ := statementCounter.take(table)
+	sent := 0
+	for _, st := range statements {
+		if st == "acquire" {
+			sent++
+		}
+	}
+	t.Logf("%d acquires (%d owned) in %d statements", acquires.Load(), owned.Load(), sent)
+	if owned.Load() == 0 || int64(sent) >= acquires.Load() {
+		t.Errorf("%d acquires (%d owned) in %d statements: no batches", acquires.Load(), owned.Load(), sent)
+	}
+}
