@@ -439,13 +439,15 @@ FROM input AS i
 WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`, "", ""),
 
 		// ctid lets the batch be picked through the expires_at index and
-		// deleted without a second lookup. The outer tests are rechecked
+		// deleted without a second lookup. Rows that a batch of acquires
+		// holds (taking expired records over) are skipped, not waited
+		// for: the two would lock them in different orders. The outer tests are rechecked
 		// on the latest row version, so a record that Acquire revived
 		// meanwhile survives. A live lease keeps a record whatever its
 		// expiry (only rows written before migration 0002 can have one
 		// past it).
 		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
-WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1))
+WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
 	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
 	}
 }
@@ -489,10 +491,19 @@ WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in
 // parameter after the arrays is the NOTIFY channel, and the next one the
 // payload of each row, and every row changed wakes its waiters.
 func ownedStatement(table string, notify bool, body, params, cols string) string {
-	input := fmt.Sprintf(`WITH input AS (
+	// The rows are locked in the order of their keys before body changes
+	// them, whatever plan body gets (on a small table, a hash join over a
+	// scan takes them in the table's order): so batches of several
+	// instances, each holding some rows while waiting for others, never
+	// wait for each other in a cycle.
+	input := fmt.Sprintf(`WITH given AS (
 	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[]%s)
 		WITH ORDINALITY AS i(in_hash, in_key, in_token%s, n)
-)`, params, cols)
+), input AS (
+	SELECT g.* FROM given AS g JOIN %s AS x ON x.credential_hash = g.in_hash AND x.key = g.in_key
+	ORDER BY x.credential_hash, x.key
+	FOR UPDATE OF x
+)`, params, cols, table)
 	body = fmt.Sprintf(body, table)
 	if !notify {
 		return input + "\n" + body + "\nRETURNING i.n"
@@ -513,6 +524,9 @@ const acquireAttempts = 5
 // statements (pgbatch.go); each request gets its own outcome.
 func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
 	contended, start := 0, time.Now()
+	// sent: an attempt's statement may have reached the database, and
+	// committed there, before its connection was lost.
+	sent := false
 	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
 		res, err := s.acquires.do(ctx, req)
 		switch {
@@ -529,11 +543,16 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		// never learned it, and every retry get 409 until the lock ran
 		// out. Trying again with the same token either finds that
 		// record, the caller's, or does what the first attempt did not.
-		// It is tried again while the database can be reached, within
-		// the store timeout: a database that refuses connections is
-		// down, and the request fails at once, as it would have.
+		// It is tried again within the store timeout, through a
+		// failover too (the new primary refuses connections until it is
+		// promoted): an acquire that committed on the old primary was
+		// replicated to it. A database that refuses the first attempt's
+		// connection is down, and nothing was sent: the request fails at
+		// once, as it would have.
 		var connectErr *pgconn.ConnectError
-		if !connectionLost(err) || errors.As(err, &connectErr) || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
+		refused := errors.As(err, &connectErr)
+		sent = sent || connectionLost(err) && !refused
+		if !connectionLost(err) || refused && !sent || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 		t := time.NewTimer(backoff)

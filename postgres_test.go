@@ -490,14 +490,15 @@ func TestPrunePostgresCancelledLetsGoOfLock(t *testing.T) {
 	fillForPrune(t, s, 3, 0)
 	ctx := context.Background()
 
-	// A request holds a row, so the prune's DELETE waits until the
-	// instance shuts down.
+	// The table is locked (pruning skips rows that requests hold, so it
+	// takes a table lock to make it wait), so the prune's DELETE waits
+	// until the instance shuts down.
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, "SELECT FROM "+s.table.quoted()+" FOR UPDATE"); err != nil {
+	if _, err := tx.Exec(ctx, "LOCK TABLE "+s.table.quoted()+" IN EXCLUSIVE MODE"); err != nil {
 		t.Fatal(err)
 	}
 	shutdown, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
