@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -217,7 +218,12 @@ func parseAdminSelector(r *http.Request) (adminSelector, error) {
 			return sel, nil
 		}
 	}
-	q := r.URL.Query()
+	// A malformed query (Go drops a pair with a ';') would silently
+	// drop a selector, and list records that the caller did not ask for.
+	q, err := url.ParseQuery(r.URL.RawQuery)
+	if err != nil {
+		return sel, adminError(http.StatusBadRequest, fmt.Errorf("the query string: %v", err))
+	}
 	if q.Has("credential") {
 		return sel, adminError(http.StatusBadRequest, errors.New("a raw credential goes in a POST body, never in the URL, which Caddy's admin API logs: POST {\"credential\": ...} to this endpoint, or use credential_id"))
 	}
@@ -229,7 +235,6 @@ func parseAdminSelector(r *http.Request) (adminSelector, error) {
 		}
 	}
 	sel.Store, sel.Key, sel.KeyPrefix, sel.CredentialID = q.Get("store"), q.Get("key"), q.Get("key_prefix"), q.Get("credential_id")
-	var err error
 	if v := q.Get("limit"); v != "" {
 		if sel.Limit, err = strconv.Atoi(v); err != nil {
 			return sel, adminError(http.StatusBadRequest, fmt.Errorf("limit %q: not a number", v))

@@ -335,3 +335,18 @@ func TestAdminAPIReload(t *testing.T) {
 		t.Fatalf("stores after the reload: %d %s", status, out)
 	}
 }
+
+// A query that does not parse whole (Go drops a pair with a ';') is
+// refused, not read without the selectors it lost: those would list
+// records of credentials the caller did not name.
+func TestAdminAPIRefusesMalformedQuery(t *testing.T) {
+	_, admin, name := startAdminSite(t, storeBackend{Name: "memory"}, newUpstream(t))
+	admin.wantStatus(http.MethodGet, "/idempotency/records?store="+name+"&key=k-000001&credential_id=0686f898bd37;", nil,
+		http.StatusBadRequest, "query string")
+	admin.wantStatus(http.MethodGet, "/idempotency/records?store="+name+"&credential_id=Bearer%20secret-token", nil,
+		http.StatusBadRequest, "credential id")
+	_, out := admin.do(http.MethodGet, "/idempotency/records?store="+name+"&credential_id=Bearer%20secret-token", nil)
+	if strings.Contains(string(out), "secret-token") {
+		t.Errorf("the error repeats the value given as credential_id: %s", out)
+	}
+}

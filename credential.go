@@ -110,7 +110,14 @@ func checkCredentialPlaceholder(s string) error {
 
 // checkKeyHeader refuses a key header that carries a credential: keys
 // are stored and logged as they are.
-func checkKeyHeader(keyHeader, credentialHeader string) error {
+func checkKeyHeader(keyHeader, credentialHeader, credential string) error {
+	if credential != "" {
+		// The header that the credential placeholder reads, if any.
+		credentialHeader = ""
+		if name, ok := strings.CutPrefix(credential[1:len(credential)-1], "http.request.header."); ok {
+			credentialHeader = name
+		}
+	}
 	switch http.CanonicalHeaderKey(keyHeader) {
 	case http.CanonicalHeaderKey(credentialHeader), "Authorization", "Proxy-Authorization", "Cookie":
 		return fmt.Errorf("key_header %q carries credentials: keys are stored and logged as they are, so it must be a header of its own, such as Idempotency-Key", keyHeader)

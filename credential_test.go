@@ -370,6 +370,7 @@ func TestCredentialKeyHeaderRefused(t *testing.T) {
 		{KeyHeader: "Authorization"},
 		{KeyHeader: "cookie"},
 		{KeyHeader: "X-Api-Key", CredentialHeader: "x-api-key"},
+		{KeyHeader: "X-K", Credential: "{http.request.header.x-k}"},
 	} {
 		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 		if err := h.Provision(ctx); err != nil {

@@ -336,7 +336,7 @@ func (h *Handler) Validate() error {
 			return err
 		}
 	}
-	if err := checkKeyHeader(h.KeyHeader, h.CredentialHeader); err != nil {
+	if err := checkKeyHeader(h.KeyHeader, h.CredentialHeader, h.Credential); err != nil {
 		return err
 	}
 	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
