@@ -470,25 +470,8 @@ func TestModesCaddyfileErrors(t *testing.T) {
 
 // The JSON equivalents load, and invalid values are refused at load.
 func TestModesJSON(t *testing.T) {
-	load := func(handler string) error {
-		cfg := fmt.Sprintf(`{
-	"admin": {"disabled": true},
-	"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
-	"apps": {"http": {"servers": {"srv0": {
-		"listen": ["127.0.0.1:%d"],
-		"routes": [{"handle": [%s, {"handler": "static_response", "body": "ok"}]}]
-	}}}}
-}`, freeTCPPort(t), handler)
-		caddyMu.Lock()
-		defer caddyMu.Unlock()
-		err := caddy.Load([]byte(cfg), true)
-		if err == nil {
-			_ = caddy.Stop()
-		}
-		return err
-	}
 	ok := `{"handler": "idempotency", "wait": "2s", "mismatch_status": 422, "shadow": false, "on_store_error": "fail_open"}`
-	if err := load(ok); err != nil {
+	if err := loadHandlerJSON(t, ok); err != nil {
 		t.Errorf("loading %s: %v", ok, err)
 	}
 	for _, bad := range []string{
@@ -496,7 +479,7 @@ func TestModesJSON(t *testing.T) {
 		`{"handler": "idempotency", "on_store_error": "shrug"}`,
 		`{"handler": "idempotency", "wait": "-1s"}`,
 	} {
-		if err := load(bad); err == nil {
+		if err := loadHandlerJSON(t, bad); err == nil {
 			t.Errorf("loading %s succeeded, want an error", bad)
 		}
 	}
@@ -505,4 +488,25 @@ func TestModesJSON(t *testing.T) {
 		h.MismatchStatus != 422 || h.OnStoreError != "fail_open" {
 		t.Errorf("unmarshalling %s: %+v, %v", ok, h, err)
 	}
+}
+
+// loadHandlerJSON loads (and stops) a JSON config whose one route runs
+// handler, and returns the load's error: how a JSON config's Validate is
+// seen.
+func loadHandlerJSON(t *testing.T, handler string) error {
+	cfg := fmt.Sprintf(`{
+"admin": {"disabled": true},
+"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
+"apps": {"http": {"servers": {"srv0": {
+	"listen": ["127.0.0.1:%d"],
+	"routes": [{"handle": [%s, {"handler": "static_response", "body": "ok"}]}]
+}}}}
+}`, freeTCPPort(t), handler)
+	caddyMu.Lock()
+	defer caddyMu.Unlock()
+	err := caddy.Load([]byte(cfg), true)
+	if err == nil {
+		_ = caddy.Stop()
+	}
+	return err
 }

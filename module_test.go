@@ -446,8 +446,9 @@ func pollPastInProgress(t *testing.T, s *site, c call) reply {
 	}
 }
 
-// The detached work is bounded. Catches context.WithoutCancel without a
-// timeout.
+// The detached work is bounded, and what the cut-off execution stores is
+// the outcome-unknown problem. Catches context.WithoutCancel without a
+// timeout, and a stored empty 499.
 func TestExecutionTimeoutBoundsDetachedWork(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
@@ -471,9 +472,11 @@ func TestExecutionTimeoutBoundsDetachedWork(t *testing.T) {
 		if took := e.Ended.Sub(e.Started); took > 3*time.Second {
 			t.Errorf("the detached work ran %v, want about 1.05s (execution_timeout 1s)", took)
 		}
-		// Let the handler store what it stores before Caddy stops; a retry
-		// must not run the work a second time.
-		pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
+		// reverse_proxy writes a bare 499 when it is cancelled: the retry
+		// must get the stored outcome-unknown problem, not an empty 499,
+		// and must not run the work a second time.
+		r := pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
+		wantReplayedProblem(t, r, http.StatusBadGateway, "outcome-unknown")
 		wantCount(t, up, 1)
 	})
 }

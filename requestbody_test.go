@@ -9,8 +9,6 @@ import (
 	"runtime"
 	"strings"
 	"testing"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // A chunked body over a request_body limit around the directive is a
@@ -83,28 +81,11 @@ func TestReadBodyAllocatesWithArrivals(t *testing.T) {
 // The JSON config is bounded as the Caddyfile is: a huge max_request_body
 // is refused at load, not met by a request that declares 100 GB.
 func TestValidateBoundsBodyLimits(t *testing.T) {
-	load := func(handler string) error {
-		cfg := fmt.Sprintf(`{
-	"admin": {"disabled": true},
-	"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
-	"apps": {"http": {"servers": {"srv0": {
-		"listen": ["127.0.0.1:%d"],
-		"routes": [{"handle": [%s, {"handler": "static_response", "body": "ok"}]}]
-	}}}}
-}`, freeTCPPort(t), handler)
-		caddyMu.Lock()
-		defer caddyMu.Unlock()
-		err := caddy.Load([]byte(cfg), true)
-		if err == nil {
-			_ = caddy.Stop()
-		}
-		return err
-	}
-	if err := load(`{"handler": "idempotency", "max_request_body": 2147483647, "max_response_body": 2147483647}`); err != nil {
+	if err := loadHandlerJSON(t, `{"handler": "idempotency", "max_request_body": 2147483647, "max_response_body": 2147483647}`); err != nil {
 		t.Errorf("the largest limits refused: %v", err)
 	}
 	for _, field := range []string{"max_request_body", "max_response_body"} {
-		err := load(fmt.Sprintf(`{"handler": "idempotency", %q: 107374182400}`, field))
+		err := loadHandlerJSON(t, fmt.Sprintf(`{"handler": "idempotency", %q: 107374182400}`, field))
 		if err == nil || !strings.Contains(err.Error(), field) || !strings.Contains(err.Error(), "2GiB") {
 			t.Errorf("%s of 100 GB: %v, want a refusal", field, err)
 		}

@@ -41,31 +41,6 @@ func wantReplayedProblem(t *testing.T, r reply, status int, typ string) {
 	}
 }
 
-// execution_timeout cancels the detached work; reverse_proxy then writes
-// a bare 499. The retry must get the stored outcome-unknown problem, not
-// an empty 499.
-func TestExecutionTimeoutStoresOutcomeUnknown(t *testing.T) {
-	eachStore(t, func(t *testing.T, sb storeBackend) {
-		up := newUpstream(t)
-		s := protectedSite(t, sb, up.Addr(), "execution_timeout 1s")
-		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(4 * time.Second)}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			_, _ = s.DoCtx(ctx, c)
-		}()
-		up.WaitStarted(t, 1)
-		time.Sleep(50 * time.Millisecond)
-		cancel()
-		<-done
-		up.WaitEnded(t, 1)
-		r := pollPastInProgress(t, s, call{Key: c.Key, Body: c.Body})
-		wantReplayedProblem(t, r, http.StatusBadGateway, "outcome-unknown")
-		wantCount(t, up, 1)
-	})
-}
-
 // Trailers (gRPC's status lives there) are stored and replayed as
 // trailers: declared ones and those set with http.TrailerPrefix.
 func TestTrailersReplayed(t *testing.T) {
