@@ -242,6 +242,12 @@ func appendMediaType(dst []byte, values []string) []byte {
 	if len(values) == 0 {
 		return append(dst, mediaNone)
 	}
+	if len(values) == 1 && plainMediaType(values[0]) {
+		// What ParseMediaType gives for it, without its allocations:
+		// the common `application/json` costs a replay nothing.
+		dst = appendField(append(dst, mediaParsed), values[0])
+		return binary.BigEndian.AppendUint64(dst, 0)
+	}
 	if len(values) == 1 {
 		if mt, params, err := mime.ParseMediaType(values[0]); err == nil {
 			dst = appendField(append(dst, mediaParsed), mt)
@@ -261,6 +267,26 @@ func appendMediaType(dst []byte, values []string) []byte {
 		dst = appendField(dst, v)
 	}
 	return dst
+}
+
+// plainMediaType reports whether v is a media type that
+// mime.ParseMediaType returns as it is, with no parameters: a lower-case
+// type and subtype of token characters.
+func plainMediaType(v string) bool {
+	slash := strings.IndexByte(v, '/')
+	if slash <= 0 || slash == len(v)-1 {
+		return false
+	}
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		switch {
+		case i == slash:
+		case 'a' <= c && c <= 'z', '0' <= c && c <= '9', strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // canonFlush is how much canonical output emit buffers before it hands

@@ -2,8 +2,10 @@ package idempotency
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
+	"mime"
 	"reflect"
 	"slices"
 	"strings"
@@ -585,4 +587,29 @@ func canonicalJSON(dst, body []byte) ([]byte, bool) {
 	s := canonStatePool.Get().(*canonState)
 	defer s.release()
 	return s.canonicalJSON(dst, body)
+}
+
+// The shortcut for plain media types frames them exactly as
+// mime.ParseMediaType's reading does, and takes nothing else.
+func TestPlainMediaTypeFramesAsParsed(t *testing.T) {
+	parsed := func(v string) []byte {
+		mt, params, err := mime.ParseMediaType(v)
+		if err != nil || len(params) != 0 {
+			return nil
+		}
+		return binary.BigEndian.AppendUint64(appendField([]byte{mediaParsed}, mt), 0)
+	}
+	for _, v := range []string{"application/json", "application/merge-patch+json", "text/plain", "a/b", "x-y/z.1"} {
+		if !plainMediaType(v) {
+			t.Errorf("%q: not taken for plain", v)
+		}
+		if got, want := appendMediaType(nil, []string{v}), parsed(v); !bytes.Equal(got, want) {
+			t.Errorf("%q: framed %q, ParseMediaType's reading %q", v, got, want)
+		}
+	}
+	for _, v := range []string{"Application/JSON", "application/json; charset=utf-8", "application/", "/json", "application", "a/b/c", "a /b", "a/b ", ""} {
+		if plainMediaType(v) {
+			t.Errorf("%q: taken for plain", v)
+		}
+	}
 }
