@@ -193,6 +193,19 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		if _, ok := cfg.ConnConfig.RuntimeParams["plan_cache_mode"]; !ok {
 			cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
 		}
+		// A connection keeps a statement's plan for its life, and plans
+		// it for the table as it is at the statement's first use: on a
+		// new table, nearly empty, a scan of its few pages costs less on
+		// paper than a primary-key lookup per row of a batch, and that
+		// plan then read the whole table at every completion as the
+		// table grew (first executions a third slower at 40,000 rows,
+		// and worse beyond), until an ANALYZE, which autovacuum may
+		// never run, replaced it. Every statement of the store finds its
+		// rows through an index, so a sequential scan is never the plan
+		// it wants (TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable).
+		if _, ok := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !ok {
+			cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
+		}
 		// Not Provision's context: it is cancelled when this config is
 		// unloaded, while the pool lives on in the next config.
 		pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
@@ -491,18 +504,21 @@ WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in
 // parameter after the arrays is the NOTIFY channel, and the next one the
 // payload of each row, and every row changed wakes its waiters.
 func ownedStatement(table string, notify bool, body, params, cols string) string {
-	// The rows are locked in the order of their keys before body changes
-	// them, whatever plan body gets (on a small table, a hash join over a
-	// scan takes them in the table's order): so batches of several
-	// instances, each holding some rows while waiting for others, never
-	// wait for each other in a cycle.
+	// The rows are locked before body changes them, one at a time in the
+	// batch's order (sendBatch sorts it; the lateral subquery makes the
+	// nested loop follow it): the order of the acquires' INSERT too, the
+	// same on every instance, so that batches of several instances, each
+	// holding some rows while waiting for others, never wait for each
+	// other in a cycle. The subquery finds each row through the primary
+	// key whatever the table's size when a connection planned it: a join,
+	// planned on a new, empty table, scanned the table for every batch
+	// for as long as the connection kept the plan.
 	input := fmt.Sprintf(`WITH given AS (
 	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[]%s)
 		WITH ORDINALITY AS i(in_hash, in_key, in_token%s, n)
 ), input AS (
-	SELECT g.* FROM given AS g JOIN %s AS x ON x.credential_hash = g.in_hash AND x.key = g.in_key
-	ORDER BY x.credential_hash, x.key
-	FOR UPDATE OF x
+	SELECT g.* FROM given AS g
+	CROSS JOIN LATERAL (SELECT FROM %s AS x WHERE x.credential_hash = g.in_hash AND x.key = g.in_key FOR UPDATE) AS x
 )`, params, cols, table)
 	body = fmt.Sprintf(body, table)
 	if !notify {
