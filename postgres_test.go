@@ -929,7 +929,7 @@ FROM generate_series(1, 20000) AS i`)
 // the plan: one opened on a new, empty table must not keep a plan that
 // scans it. With a plan that locked rows through a hash join over a
 // scan, every completion read the whole table; first executions fell as
-// the table grew (a third slower at 40,000 rows) until an ANALYZE
+// the table grew (a quarter slower at 27,000 rows) until an ANALYZE
 // replaced the plans.
 func TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable(t *testing.T) {
 	t.Parallel()
