@@ -182,6 +182,17 @@ func (c *replayCache) Release(ctx context.Context, key RecordKey, token LockToke
 }
 
 // Renew implements Store.
+// RenewLocks implements LockRenewer.
+func (c *replayCache) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+	errs := renewLocks(ctx, c.Store, locks)
+	for i, err := range errs {
+		if errors.Is(err, ErrLockLost) {
+			c.forget(locks[i].Token)
+		}
+	}
+	return errs
+}
+
 func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken) error {
 	err := c.Store.Renew(ctx, key, token)
 	if errors.Is(err, ErrLockLost) {

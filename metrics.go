@@ -239,3 +239,23 @@ func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, err
 
 // Interface guards
 var _ Store = instrumentedStore{}
+
+// RenewLocks implements LockRenewer: one round trip, so one duration;
+// lost locks and errors are counted per lock, as single renewals count
+// them.
+func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+	start := time.Now()
+	errs := renewLocks(ctx, s.Store, locks)
+	m := storeOps[opRenew]
+	m.duration.Observe(time.Since(start).Seconds())
+	for _, err := range errs {
+		switch {
+		case err == nil:
+		case errors.Is(err, ErrLockLost):
+			m.lockLost.Inc()
+		case !errors.Is(ctx.Err(), context.Canceled):
+			m.errors.Inc()
+		}
+	}
+	return errs
+}

@@ -22,7 +22,6 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -194,6 +193,8 @@ type Handler struct {
 	// under them. (From the acquire on: one that is still in flight when
 	// the pool closes may commit all the same.)
 	executing *atomic.Int64
+	// renewer renews the locks of the requests running (renew.go).
+	renewer *lockRenewer
 }
 
 // CaddyModule returns the Caddy module information.
@@ -263,6 +264,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.words = wordProblems(h.KeyHeader, h.CredentialHeader)
 	h.executing = new(atomic.Int64)
+	h.renewer = &lockRenewer{h: h, held: make(map[*heldLock]struct{})}
 	if ps, ok := mod.(*PostgresStore); ok {
 		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
 			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))
@@ -933,96 +935,6 @@ func nothingExecuted(err error, proxied bool) bool {
 	// trace sees (FastCGI) may have sent the request. 499 is
 	// reverse_proxy's "canceled" after the request may have been sent.
 	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
-}
-
-// keepLock renews the lock while the request runs, so that a request
-// slower than LockTimeout is not taken over by a retry. A renewal is due
-// a third of the timeout after the lock was last dated (the store dates
-// it when a renewal reaches it, so no earlier than when it was sent),
-// leaving room for two slow or failed attempts. stop waits for a renewal
-// in flight, so that none races the completion, and returns when the lock
-// was last dated.
-func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) (stop func() time.Time) {
-	// A timer, not a goroutine: most requests end long before their
-	// first renewal, and starting a goroutine per request (which wakes an
-	// idle thread to run it) cost first executions more than the rest
-	// of their bookkeeping.
-	k := &lockKeeper{h: h, rk: rk, token: token, key: key, credID: credID, lockedSince: lockedSince}
-	k.mu.Lock()
-	k.timer = time.AfterFunc(time.Until(lockedSince.Add(h.renewInterval())), k.renew)
-	k.mu.Unlock()
-	return k.stop
-}
-
-// lockKeeper renews one request's lock on a timer. Its fields are
-// guarded by mu; a renewal runs on the timer's goroutine.
-type lockKeeper struct {
-	h           *Handler
-	rk          RecordKey
-	token       LockToken
-	key         string
-	credID      string
-	mu          sync.Mutex
-	timer       *time.Timer
-	stopped     bool
-	inFlight    chan struct{} // closed when the renewal in flight ends
-	lockedSince time.Time
-}
-
-func (k *lockKeeper) renew() {
-	k.mu.Lock()
-	if k.stopped {
-		k.mu.Unlock()
-		return
-	}
-	done := make(chan struct{})
-	k.inFlight = done
-	k.mu.Unlock()
-
-	sent := time.Now()
-	err := k.h.renew(k.rk, k.token)
-
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	defer close(done)
-	k.inFlight = nil
-	interval := k.h.renewInterval()
-	switch {
-	case errors.Is(err, ErrLockLost):
-		k.h.logger.Error("idempotency.lock_lost",
-			zap.String("key", k.key), zap.String("credential_id", k.credID),
-			zap.String("during", "renew"))
-	case err != nil:
-		k.h.logger.Error("idempotency.store_error",
-			zap.String("operation", "renew"), zap.String("key", k.key),
-			zap.String("credential_id", k.credID), zap.Error(err))
-		// The lock was not dated anew. Try again an interval from
-		// now, not at once against a failing store.
-		if !k.stopped {
-			k.timer.Reset(interval)
-		}
-	default:
-		k.lockedSince = sent
-		if !k.stopped {
-			k.timer.Reset(time.Until(sent.Add(interval)))
-		}
-	}
-}
-
-// stop ends the renewals, waits for one in flight, and returns when the
-// lock was last dated.
-func (k *lockKeeper) stop() time.Time {
-	k.mu.Lock()
-	k.stopped = true
-	k.timer.Stop()
-	done := k.inFlight
-	k.mu.Unlock()
-	if done != nil {
-		<-done
-	}
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return k.lockedSince
 }
 
 func (h *Handler) renewInterval() time.Duration { return time.Duration(h.LockTimeout) / 3 }

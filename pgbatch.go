@@ -165,11 +165,7 @@ func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
 	// One order for the rows of every statement, on every instance: two
 	// statements that lock rows in the same order never deadlock.
 	slices.SortFunc(batch, func(x, y *batchCall[Req, Res]) int {
-		kx, ky := b.key(x.req), b.key(y.req)
-		if c := bytes.Compare(kx.CredentialHash[:], ky.CredentialHash[:]); c != 0 {
-			return c
-		}
-		return strings.Compare(kx.Key, ky.Key)
+		return compareKeys(b.key(x.req), b.key(y.req))
 	})
 	b.send(ctx, batch)
 	for i, c := range batch {
@@ -177,4 +173,12 @@ func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
 		close(c.done)
 	}
 	cancel()
+}
+
+// compareKeys orders record keys as every batch takes its rows.
+func compareKeys(x, y RecordKey) int {
+	if c := bytes.Compare(x.CredentialHash[:], y.CredentialHash[:]); c != 0 {
+		return c
+	}
+	return strings.Compare(x.Key, y.Key)
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -797,6 +798,43 @@ func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockTo
 // Renew implements Store.
 func (s *PostgresStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
 	return s.execOwned(ctx, s.renewals, ownedRequest{key: key, token: token})
+}
+
+// renewChunk bounds the locks that one renewal statement carries: a
+// renewal row is some 80 bytes, so a statement of renewChunk rows stays
+// small while covering the locks of any plausible instance at once.
+const renewChunk = 4096
+
+// RenewLocks implements LockRenewer: the locks are renewed in one
+// statement (one per renewChunk locks), outside the renewal batcher,
+// which serves the single renewals that confirm a late acquire. Like
+// every statement of an owner, it never waits behind acquires.
+func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+	// The rows go in the batches' order (sendBatch): order holds the
+	// locks' indexes sorted so.
+	order := make([]int, len(locks))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(x, y int) int { return compareKeys(locks[x].Key, locks[y].Key) })
+	errs := make([]error, len(locks))
+	for start := 0; start < len(order); start += renewChunk {
+		part := order[start:min(start+renewChunk, len(order))]
+		calls := make([]*batchCall[ownedRequest, bool], len(part))
+		for i, j := range part {
+			calls[i] = &batchCall[ownedRequest, bool]{req: ownedRequest{key: locks[j].Key, token: locks[j].Token}}
+		}
+		s.sendOwned(ctx, opRenew, s.sql.renew, calls)
+		for i, c := range calls {
+			switch {
+			case c.err != nil:
+				errs[part[i]] = c.err
+			case !c.res:
+				errs[part[i]] = ErrLockLost
+			}
+		}
+	}
+	return errs
 }
 
 // ownedRequest is a statement on a record that the caller owns under
