@@ -264,7 +264,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.words = wordProblems(h.KeyHeader, h.CredentialHeader)
 	h.executing = new(atomic.Int64)
-	h.renewer = &lockRenewer{h: h, held: make(map[*heldLock]struct{})}
+	h.renewer = newLockRenewer(h)
 	if ps, ok := mod.(*PostgresStore); ok {
 		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
 			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))

@@ -48,24 +48,43 @@ func renewLocks(ctx context.Context, store Store, locks []HeldLock) []error {
 // dated at least that long ago: a lock's renewal is sent between half an
 // interval and an interval after it was last dated, as it was when each
 // lock had its own timer. An idle handler has no tick.
+//
+// A tick does not wait for the renewals it sends: a statement stuck on a
+// dead connection, or behind a slow database, must not hold up the
+// renewals of the ticks after it. A lock whose renewal has had no answer
+// for an interval is sent again with the next tick, beside the first
+// attempt, which is left to succeed or fail on its own.
 type lockRenewer struct {
 	h  *Handler
 	mu sync.Mutex
 	// held is the locks of the requests running; timer is set while it
-	// is not empty, and while a tick runs.
+	// is not empty.
 	held  map[*heldLock]struct{}
 	timer *time.Timer
 }
 
-// heldLock is one request's lock. Its fields after key are guarded by
+func newLockRenewer(h *Handler) *lockRenewer {
+	return &lockRenewer{h: h, held: make(map[*heldLock]struct{})}
+}
+
+// heldLock is one request's lock. Its fields after credID are guarded by
 // the renewer's mu.
 type heldLock struct {
 	lock        HeldLock
 	key, credID string
+	// lockedSince is when the lock was last dated: when the acquire, or
+	// the last renewal that succeeded, was sent.
 	lockedSince time.Time
-	// renewing is closed when the renewal in flight that includes this
-	// lock ends; nil when there is none.
-	renewing chan struct{}
+	// inFlight counts the renewals of this lock that have had no answer
+	// yet; lastSent is when the latest of them was sent.
+	inFlight int
+	lastSent time.Time
+	lost     bool
+	// stopped: the request has let go of the lock (its record completed
+	// or released). A renewal that ends later changes nothing in the
+	// store (it renews only a record in progress under the token) and
+	// tells nothing: it finds the lock gone, which is no loss.
+	stopped bool
 }
 
 func (r *lockRenewer) period() time.Duration { return r.h.renewInterval() / 2 }
@@ -75,9 +94,11 @@ func (r *lockRenewer) period() time.Duration { return r.h.renewInterval() / 2 }
 // a lock when a renewal reaches it, so no earlier than when it was sent:
 // lockedSince is when the acquire, or the last renewal, was sent. A
 // renewal is due a third of the timeout after that at the latest,
-// leaving room for two slow or failed attempts. stop waits for a renewal
-// in flight, so that none races the completion, and returns when the
-// lock was last dated.
+// leaving room for two slow or failed attempts. stop ends the renewals
+// and returns when the lock was last dated. It does not wait for a
+// renewal in flight: one stuck in the store would hold the completion up
+// for as long, and a renewal that reaches the store after the completion
+// finds no record in progress to change.
 func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) (stop func() time.Time) {
 	r := h.renewer
 	l := &heldLock{lock: HeldLock{Key: rk, Token: token}, key: key, credID: credID, lockedSince: lockedSince}
@@ -89,72 +110,76 @@ func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lo
 	r.mu.Unlock()
 	return func() time.Time {
 		r.mu.Lock()
-		delete(r.held, l)
-		done := l.renewing
-		r.mu.Unlock()
-		if done != nil {
-			<-done
-		}
-		r.mu.Lock()
 		defer r.mu.Unlock()
+		delete(r.held, l)
+		l.stopped = true
 		return l.lockedSince
 	}
 }
 
-// tick renews the locks that are due, in one round trip, then sets the
-// next tick if any lock is still held.
+// tick sends the renewal of the locks that are due, then sets the next
+// tick if any lock is still held.
 func (r *lockRenewer) tick() {
 	start := time.Now()
-	period := r.period()
-	r.mu.Lock()
-	var (
-		due   []*heldLock
-		locks []HeldLock
-		done  = make(chan struct{})
-	)
-	for l := range r.held {
-		if l.renewing == nil && start.Sub(l.lockedSince) >= period {
-			l.renewing = done
-			due = append(due, l)
-			locks = append(locks, l.lock)
-		}
-	}
-	r.mu.Unlock()
-
-	if len(due) > 0 {
-		ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
-		sent := time.Now()
-		errs := renewLocks(ctx, r.h.store, locks)
-		cancel()
-		r.mu.Lock()
-		for i, l := range due {
-			l.renewing = nil
-			switch err := errs[i]; {
-			case err == nil:
-				l.lockedSince = sent
-			case errors.Is(err, ErrLockLost):
-				// Another request has the record: renewing it again
-				// cannot help. The completion finds the lock lost.
-				delete(r.held, l)
-				r.h.logger.Error("idempotency.lock_lost",
-					zap.String("key", l.key), zap.String("credential_id", l.credID),
-					zap.String("during", "renew"))
-			default:
-				// Not dated anew: the next tick tries again.
-				r.h.logger.Error("idempotency.store_error",
-					zap.String("operation", "renew"), zap.String("key", l.key),
-					zap.String("credential_id", l.credID), zap.Error(err))
-			}
-		}
-		r.mu.Unlock()
-		close(done)
-	}
-
+	period, interval := r.period(), r.h.renewInterval()
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	var due []*heldLock
+	for l := range r.held {
+		switch {
+		case l.lost:
+		case l.inFlight == 0 && start.Sub(l.lockedSince) >= period,
+			l.inFlight > 0 && start.Sub(l.lastSent) >= interval:
+			l.inFlight++
+			l.lastSent = start
+			due = append(due, l)
+		}
+	}
+	if len(due) > 0 {
+		go r.renew(due)
+	}
 	if len(r.held) == 0 {
 		r.timer = nil
 		return
 	}
 	r.timer.Reset(max(0, time.Until(start.Add(period))))
+}
+
+// renew renews due in one round trip and records each lock's outcome.
+func (r *lockRenewer) renew(due []*heldLock) {
+	locks := make([]HeldLock, len(due))
+	for i, l := range due {
+		locks[i] = l.lock
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	sent := time.Now()
+	errs := renewLocks(ctx, r.h.store, locks)
+	cancel()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, l := range due {
+		l.inFlight--
+		switch err := errs[i]; {
+		case l.stopped:
+		case err == nil:
+			if sent.After(l.lockedSince) {
+				l.lockedSince = sent
+			}
+		case errors.Is(err, ErrLockLost):
+			// Another request has the record: renewing it again
+			// cannot help. The completion finds the lock lost.
+			if !l.lost {
+				l.lost = true
+				r.h.logger.Error("idempotency.lock_lost",
+					zap.String("key", l.key), zap.String("credential_id", l.credID),
+					zap.String("during", "renew"))
+			}
+		default:
+			// Not dated anew: the next tick that finds it due tries
+			// again.
+			r.h.logger.Error("idempotency.store_error",
+				zap.String("operation", "renew"), zap.String("key", l.key),
+				zap.String("credential_id", l.credID), zap.Error(err))
+		}
+	}
 }

@@ -1,11 +1,16 @@
 package idempotency
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The locks of the requests in flight are renewed together: with 24
@@ -76,5 +81,46 @@ func TestRenewalsShareOneStatementPerTick(t *testing.T) {
 		if line["msg"] == "idempotency.lock_lost" || line["msg"] == "idempotency.takeover" {
 			t.Errorf("log: %v", line)
 		}
+	}
+}
+
+// A renewal stuck in the store (a dead connection, a lock wait) holds up
+// neither the renewals after it nor its own lock's: the next ticks send
+// them again beside it. Catches ticks that wait for the renewal they
+// sent: the lease ran out while the first renewal hung, and a retry took
+// the record over and executed the request a second time.
+func TestStuckRenewalDoesNotStopRenewals(t *testing.T) {
+	h, s, logs := lockHandler(t, time.Second)
+	stuck := make(chan struct{})
+	t.Cleanup(func() { close(stuck) })
+	var renewals atomic.Int32
+	s.beforeRenew = func() error {
+		if renewals.Add(1) == 1 {
+			<-stuck
+			return errors.New("connection reset")
+		}
+		return nil
+	}
+	var calls atomic.Int32
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		time.Sleep(1800 * time.Millisecond)
+		return created(&calls).ServeHTTP(w, r)
+	})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		if got := serve(context.Background(), h, "stuck-renewal", next); got != http.StatusCreated {
+			t.Errorf("owner: status %d", got)
+		}
+	})
+	time.Sleep(1300 * time.Millisecond) // past the lease, had nothing renewed it
+	if got := serve(context.Background(), h, "stuck-renewal", next); got != http.StatusConflict {
+		t.Errorf("retry during the execution: status %d, want 409", got)
+	}
+	wg.Wait()
+	if n := calls.Load(); n != 1 {
+		t.Errorf("executed %d times", n)
+	}
+	if n := logs.FilterMessage("idempotency.takeover").Len(); n != 0 {
+		t.Errorf("%d takeovers", n)
 	}
 }
