@@ -187,6 +187,12 @@ type instrumentedStore struct{ Store }
 func observe(ctx context.Context, op string, start time.Time, err error) {
 	m := storeOps[op]
 	m.duration.Observe(time.Since(start).Seconds())
+	m.count(ctx, err)
+}
+
+// count counts err, the outcome of one lock's operation, if it is a
+// lost lock or an error.
+func (m opMetrics) count(ctx context.Context, err error) {
 	switch {
 	case err == nil:
 	case errors.Is(err, ErrLockLost):
@@ -249,13 +255,7 @@ func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []e
 	m := storeOps[opRenew]
 	m.duration.Observe(time.Since(start).Seconds())
 	for _, err := range errs {
-		switch {
-		case err == nil:
-		case errors.Is(err, ErrLockLost):
-			m.lockLost.Inc()
-		case !errors.Is(ctx.Err(), context.Canceled):
-			m.errors.Inc()
-		}
+		m.count(ctx, err)
 	}
 	return errs
 }
