@@ -234,16 +234,7 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 	if ir.rec.Status != StatusCompleted {
 		return ir, nil
 	}
-	resp := &Response{Body: respBody}
-	if respStatus != nil {
-		resp.Status = int(*respStatus)
-	}
-	if replayable != nil {
-		resp.Replayable = *replayable
-	}
-	if respSize != nil {
-		resp.BodySize = *respSize
-	}
+	resp := storedResponse(respStatus, replayable, respSize, respBody)
 	if respHeaders != nil {
 		if resp.Header, err = decodeHeaders(respHeaders); err != nil {
 			return ir, fmt.Errorf("decoding stored response headers: %w", err)

@@ -582,6 +582,22 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 	}
 }
 
+// storedResponse is the response of a completed record, from its
+// columns but the headers, which each caller decodes as it needs.
+func storedResponse(status *int32, replayable *bool, size *int64, body []byte) *Response {
+	resp := &Response{Body: body}
+	if status != nil {
+		resp.Status = int(*status)
+	}
+	if replayable != nil {
+		resp.Replayable = *replayable
+	}
+	if size != nil {
+		resp.BodySize = *size
+	}
+	return resp
+}
+
 // connectionLost reports whether err is the loss of the connection (or a
 // failure to get one), after which a statement's effect is unknown, or
 // certainly absent, rather than the database's answer to it.
@@ -697,16 +713,7 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[Acq
 			rec.LockedUntil = lockedUntil.UTC()
 		}
 		if rec.Status == StatusCompleted {
-			resp := &Response{Body: respBody}
-			if respStatus != nil {
-				resp.Status = int(*respStatus)
-			}
-			if replayable != nil {
-				resp.Replayable = *replayable
-			}
-			if respSize != nil {
-				resp.BodySize = *respSize
-			}
+			resp := storedResponse(respStatus, replayable, respSize, respBody)
 			var err error
 			if resp.Header, err = decodeHeaders(respHeaders); err != nil {
 				c.err = fmt.Errorf("decoding stored response headers: %w", err)
