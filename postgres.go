@@ -565,10 +565,12 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		// promoted): an acquire that committed on the old primary was
 		// replicated to it. A database that refuses the first attempt's
 		// connection is down, and nothing was sent: the request fails at
-		// once, as it would have.
+		// once, as it would have. A pooled connection that the database
+		// closed while idle fails before anything is written to it
+		// (SafeToRetry): that attempt sent nothing either.
 		var connectErr *pgconn.ConnectError
 		refused := errors.As(err, &connectErr)
-		sent = sent || connectionLost(err) && !refused
+		sent = sent || connectionLost(err) && !refused && !pgconn.SafeToRetry(err)
 		if !connectionLost(err) || refused && !sent || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}

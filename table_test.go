@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -138,6 +139,50 @@ func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
 }
 
 // An acquire whose connection the server ended is tried again, with the
+
+// A database that is down refuses a new request at once (503), even when
+// the first attempt went to a pooled connection that the outage had
+// closed: writing to it fails before anything is sent, so there is no
+// committed acquire to come back for. Waiting out the store timeout
+// instead would hold every client for seconds in an outage.
+func TestPostgresAcquireFailsFastWhenDatabaseDown(t *testing.T) {
+	t.Parallel()
+	fwd := newTCPForwarder(t, postgresAddr(t, testDSN(t)))
+	s := &PostgresStore{DSN: throughForwarder(t, testDSN(t), fwd), Table: freshTable(t), MaxConns: 4}
+	cctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	if err := s.Provision(cctx); err != nil {
+		t.Fatal(err)
+	}
+	defer s.Cleanup()
+	ctx := context.Background()
+	// Several requests at once, so that the pool keeps several
+	// connections, each dead after the cut.
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := s.Acquire(ctx, testAcquireRequest("cred", fmt.Sprintf("warm-%d", i), "body")); err != nil {
+				t.Errorf("acquire: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	fwd.Cut()
+	start := time.Now()
+	_, err := s.Acquire(ctx, testAcquireRequest("cred", "during", "body"))
+	if took := time.Since(start); err == nil || took > storeTimeout/4 {
+		t.Fatalf("acquire with the database down: %v after %v; want an error well within the store timeout (%v)",
+			err, took.Round(time.Millisecond), storeTimeout)
+	}
+	fwd.Restore()
+	res, err := s.Acquire(ctx, testAcquireRequest("cred", "during", "body"))
+	if err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire after the restore: %+v, %v; want created (the refused attempt left nothing)", res, err)
+	}
+}
+
 // same token, instead of failing the request.
 func TestPostgresAcquireSurvivesKilledConnections(t *testing.T) {
 	t.Parallel()
