@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"reflect"
 	"runtime"
 	"slices"
 	"strconv"
@@ -291,7 +292,8 @@ func (s *PostgresStore) keepPoolWhile(busy func() bool, drainMax time.Duration) 
 // postgresSQL holds the statements of one table. They are built once, at
 // Provision, because the table name cannot be a query parameter.
 type postgresSQL struct {
-	acquire, complete, release, renew, pruneBatch string
+	acquire, complete, release, renew statement
+	pruneBatch                        string
 	// completedBy and gone tell, after a completion or a release that
 	// changed no row, whether an earlier attempt of the same call did.
 	completedBy, gone string
@@ -341,49 +343,88 @@ func newPostgresSQL(table string) postgresSQL {
 FROM (SELECT * FROM %s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
 WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 	return postgresSQL{
-		lookup: lookup,
-		// Every request's row is looked up first, through the primary
-		// key (a lateral subquery per row, OFFSET 0 for the reason
-		// above), in the statement's snapshot.
-		//
-		// The INSERT claims the key when no row exists. When one does, ON
-		// CONFLICT turns it into a compare-and-swap that succeeds only on
-		// an expired record (treated as absent) or on a stale lock held
-		// for the same request; Postgres runs it on the latest committed
-		// row version, under the row lock, so exactly one concurrent
-		// caller wins. Whoever claims nothing gets the row it looked up.
-		// A request whose row neither existed in the snapshot nor was
-		// claimed (another transaction inserted it after the snapshot
-		// was taken) gets -1 and tries again.
-		//
-		// The lease is the record's: its owner sets locked_until from
-		// its own lock timeout, and a takeover waits for it whatever the
-		// retrier's timeout. An in_progress record whose lease is live
-		// is never expired: renewals keep expires_at at or after
-		// locked_until, and the expiry test also checks the lease, for
-		// rows written before migration 0002.
-		//
-		// A takeover keeps created_at (it is the same request, retried),
-		// which is how the result tells a takeover from a creation.
-		//
-		// A live completed record, the common case of a retry, is
-		// immutable until it expires: it is not offered to the INSERT,
-		// so a replay neither locks the row nor writes, and costs what a
-		// SELECT costs. Everything else goes to the INSERT, whose
-		// arbitration on the latest row version is what makes a key
-		// execute once.
-		//
-		// A record in progress under the caller's own token, with a live
-		// lease, was created by an earlier attempt of this very acquire,
-		// whose reply was lost: it is the caller's, as created.
-		//
-		// The requests of a batch are distinct keys (ON CONFLICT cannot
-		// affect a row twice), and the INSERT takes them in the batch's
-		// order, the same on every instance, so that batches never
-		// deadlock on each other's row locks.
-		acquire: fmt.Sprintf(`WITH input AS (
-	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::bytea[], $7::bigint[], $8::bigint[])
-		WITH ORDINALITY AS i(in_hash, in_key, in_fingerprint, in_method, in_path, in_token, in_retention_us, in_lock_us, n)
+		lookup:  lookup,
+		acquire: acquireSQL(table),
+
+		complete: completeSQL(table, false),
+		release:  releaseSQL(table, false),
+
+		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
+WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
+
+		gone: fmt.Sprintf(`SELECT NOT EXISTS (SELECT FROM %s WHERE credential_hash = $1 AND key = $2)`, table),
+
+		// The lease keeps the length its owner gave it at acquire; the
+		// record must outlive it.
+		renew: ownedStatement(table, false, `UPDATE %[1]s AS r SET
+	locked_at = now(),
+	locked_until = now() + (r.locked_until - r.locked_at),
+	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
+FROM input AS i
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`),
+
+		// ctid lets the batch be picked through the expires_at index and
+		// deleted without a second lookup. Rows that a batch of acquires
+		// holds (taking expired records over) are skipped, not waited
+		// for: the two would lock them in different orders. The outer tests are rechecked
+		// on the latest row version, so a record that Acquire revived
+		// meanwhile survives. A live lease keeps a record whatever its
+		// expiry (only rows written before migration 0002 can have one
+		// past it).
+		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
+WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
+	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
+	}
+}
+
+// acquireColumns are acquire's parameters, one row per request.
+var acquireColumns = []string{"bytea in_hash", "text in_key", "bytea in_fingerprint", "text in_method",
+	"text in_path", "bytea in_token", "bigint in_retention_us", "bigint in_lock_us"}
+
+// acquireSQL is the acquire of table.
+func acquireSQL(table string) statement {
+	// Every request's row is looked up first, through the primary
+	// key (a lateral subquery per row, OFFSET 0 for the reason given
+	// in newPostgresSQL), in the statement's snapshot.
+	//
+	// The INSERT claims the key when no row exists. When one does, ON
+	// CONFLICT turns it into a compare-and-swap that succeeds only on
+	// an expired record (treated as absent) or on a stale lock held
+	// for the same request; Postgres runs it on the latest committed
+	// row version, under the row lock, so exactly one concurrent
+	// caller wins. Whoever claims nothing gets the row it looked up.
+	// A request whose row neither existed in the snapshot nor was
+	// claimed (another transaction inserted it after the snapshot
+	// was taken) gets -1 and tries again.
+	//
+	// The lease is the record's: its owner sets locked_until from
+	// its own lock timeout, and a takeover waits for it whatever the
+	// retrier's timeout. An in_progress record whose lease is live
+	// is never expired: renewals keep expires_at at or after
+	// locked_until, and the expiry test also checks the lease, for
+	// rows written before migration 0002.
+	//
+	// A takeover keeps created_at (it is the same request, retried),
+	// which is how the result tells a takeover from a creation.
+	//
+	// A live completed record, the common case of a retry, is
+	// immutable until it expires: it is not offered to the INSERT,
+	// so a replay neither locks the row nor writes, and costs what a
+	// SELECT costs. Everything else goes to the INSERT, whose
+	// arbitration on the latest row version is what makes a key
+	// execute once.
+	//
+	// A record in progress under the caller's own token, with a live
+	// lease, was created by an earlier attempt of this very acquire,
+	// whose reply was lost: it is the caller's, as created.
+	//
+	// The requests of a batch are distinct keys (ON CONFLICT cannot
+	// affect a row twice), and the INSERT takes them in the batch's
+	// order, the same on every instance, so that batches never
+	// deadlock on each other's row locks.
+	return newStatement(acquireColumns, func(rows string) string {
+		return fmt.Sprintf(`WITH input AS (
+	%[9]s
 ), found AS (
 	SELECT i.n,
 		r.status = 'completed' AND r.expires_at > now() AS live,
@@ -433,44 +474,15 @@ SELECT i.n, CASE
 FROM input AS i
 LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
 LEFT JOIN found AS f ON f.n = i.n`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds, recordColumnNames),
-
-		complete: completeSQL(table, false),
-		release:  releaseSQL(table, false),
-
-		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
-WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
-
-		gone: fmt.Sprintf(`SELECT NOT EXISTS (SELECT FROM %s WHERE credential_hash = $1 AND key = $2)`, table),
-
-		// The lease keeps the length its owner gave it at acquire; the
-		// record must outlive it.
-		renew: ownedStatement(table, false, `UPDATE %[1]s AS r SET
-	locked_at = now(),
-	locked_until = now() + (r.locked_until - r.locked_at),
-	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
-FROM input AS i
-WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`, "", ""),
-
-		// ctid lets the batch be picked through the expires_at index and
-		// deleted without a second lookup. Rows that a batch of acquires
-		// holds (taking expired records over) are skipped, not waited
-		// for: the two would lock them in different orders. The outer tests are rechecked
-		// on the latest row version, so a record that Acquire revived
-		// meanwhile survives. A live lease keeps a record whatever its
-		// expiry (only rows written before migration 0002 can have one
-		// past it).
-		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
-WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
-	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
-	}
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds, recordColumnNames, rows)
+	})
 }
 
-// completeSQL is the batched completion of table. The retention counts
-// from the completion: a request that ran long keeps its record as long
-// as a quick one. A NULL body is one that was not kept. notify makes it
-// wake the records' waiters (pglisten.go).
-func completeSQL(table string, notify bool) string {
+// completeSQL is the completion of table. The retention counts from the
+// completion: a request that ran long keeps its record as long as a
+// quick one. A NULL body is one that was not kept. notify makes it wake
+// the records' waiters (pglisten.go).
+func completeSQL(table string, notify bool) statement {
 	return ownedStatement(table, notify, `UPDATE %[1]s AS r SET
 	status = 'completed',
 	lock_token = NULL,
@@ -485,26 +497,27 @@ func completeSQL(table string, notify bool) string {
 	response_size = i.in_size
 FROM input AS i
 WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`,
-		`, $4::int[], $5::bytea[], $6::bytea[], $7::boolean[], $8::bigint[], $9::bigint[]`,
-		`, in_status, in_headers, in_body, in_replayable, in_size, in_retention_us`)
+		"int in_status", "bytea in_headers", "bytea in_body", "boolean in_replayable", "bigint in_size", "bigint in_retention_us")
 }
 
-// releaseSQL is the batched release of table; notify as for completeSQL.
-func releaseSQL(table string, notify bool) string {
+// releaseSQL is the release of table; notify as for completeSQL.
+func releaseSQL(table string, notify bool) statement {
 	return ownedStatement(table, notify, `DELETE FROM %[1]s AS r
 USING input AS i
-WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`, "", "")
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`)
 }
 
-// ownedStatement builds a batched statement on the records that callers
-// own: body works on the rows of input, each a record key and its owner's
-// token ($1, $2, $3) followed by the parameters whose array types and
-// column names are params and cols, and only on the rows that the token
+// ownedStatement builds a statement on the records that callers own:
+// body works on the rows of input, each a record key and its owner's
+// token (in_hash, in_key, in_token) followed by the columns cols (each
+// "type name", as for inputRows), and only on the rows that the token
 // still owns. The statement returns the ordinal of each row it changed:
 // a row missing from its answer has lost its lock. With notify, the
-// parameter after the arrays is the NOTIFY channel, and the next one the
-// payload of each row, and every row changed wakes its waiters.
-func ownedStatement(table string, notify bool, body, params, cols string) string {
+// parameter after the rows' is the NOTIFY channel, and the next one an
+// array of the payload of each row, and every row changed wakes its
+// waiters.
+func ownedStatement(table string, notify bool, body string, cols ...string) statement {
+	cols = append([]string{"bytea in_hash", "text in_key", "bytea in_token"}, cols...)
 	// The rows are locked before body changes them, one at a time in the
 	// batch's order (sendBatch sorts it; the lateral subquery makes the
 	// nested loop follow it): the order of the acquires' INSERT too, the
@@ -514,20 +527,71 @@ func ownedStatement(table string, notify bool, body, params, cols string) string
 	// key whatever the table's size when a connection planned it: a join,
 	// planned on a new, empty table, scanned the table for every batch
 	// for as long as the connection kept the plan.
-	input := fmt.Sprintf(`WITH given AS (
-	SELECT * FROM unnest($1::bytea[], $2::text[], $3::bytea[]%s)
-		WITH ORDINALITY AS i(in_hash, in_key, in_token%s, n)
+	body = fmt.Sprintf(body, table)
+	return newStatement(cols, func(rows string) string {
+		input := fmt.Sprintf(`WITH given AS (
+	%s
 ), input AS (
 	SELECT g.* FROM given AS g
 	CROSS JOIN LATERAL (SELECT FROM %s AS x WHERE x.credential_hash = g.in_hash AND x.key = g.in_key FOR UPDATE) AS x
-)`, params, cols, table)
-	body = fmt.Sprintf(body, table)
-	if !notify {
-		return input + "\n" + body + "\nRETURNING i.n"
+)`, rows, table)
+		if !notify {
+			return input + "\n" + body + "\nRETURNING i.n"
+		}
+		n := len(cols)
+		return fmt.Sprintf("%s, done AS (\n%s\nRETURNING i.n\n)\nSELECT n, pg_notify($%d, ($%d::text[])[n]) FROM done",
+			input, body, n+1, n+2)
+	})
+}
+
+// inputRows is the query that gives a statement its requests, a row each,
+// with the columns cols, each "type name", and n, the row's ordinal. The
+// statement's first parameters are the columns, in their order: for a
+// batch, arrays of one element per request; in the form for one request,
+// the values themselves. A batch of one sent in the batch's form costs
+// Postgres about a tenth more than in its own (the arrays, the plan for
+// an unknown number of rows), which a request at low load would wait for.
+func inputRows(one bool, cols ...string) string {
+	params, names, values := make([]string, len(cols)), make([]string, len(cols)), make([]string, len(cols))
+	for i, col := range cols {
+		typ, name, _ := strings.Cut(col, " ")
+		params[i] = fmt.Sprintf("$%d::%s[]", i+1, typ)
+		names[i] = name
+		values[i] = fmt.Sprintf("$%d::%s AS %s", i+1, typ, name)
 	}
-	n := 3 + strings.Count(params, "$")
-	return fmt.Sprintf("%s, done AS (\n%s\nRETURNING i.n\n)\nSELECT n, pg_notify($%d, ($%d::text[])[n]) FROM done",
-		input, body, n+1, n+2)
+	if one {
+		return "SELECT " + strings.Join(values, ", ") + ", 1::bigint AS n"
+	}
+	return fmt.Sprintf("SELECT * FROM unnest(%s)\n\t\tWITH ORDINALITY AS i(%s, n)", strings.Join(params, ", "), strings.Join(names, ", "))
+}
+
+// statement is a statement of the store on the rows of a batch of
+// requests, in its two forms: for a batch, and for one request.
+type statement struct {
+	batch, one string
+	// columns is how many of its first parameters are the rows'.
+	columns int
+}
+
+// newStatement builds a statement's two forms with build, from the query
+// that gives its rows, with the columns cols (see inputRows).
+func newStatement(cols []string, build func(rows string) string) statement {
+	return statement{batch: build(inputRows(false, cols...)), one: build(inputRows(true, cols...)), columns: len(cols)}
+}
+
+// forRows is the statement's text and arguments for rows requests, whose
+// first arguments are the rows' columns, each an array of an element per
+// request (a slice): a single request is sent in the form for one, with
+// the elements themselves.
+func (st statement) forRows(rows int, args []any) (string, []any) {
+	if rows != 1 {
+		return st.batch, args
+	}
+	one := slices.Clone(args)
+	for i := range st.columns {
+		one[i] = reflect.ValueOf(args[i]).Index(0).Interface()
+	}
+	return st.one, one
 }
 
 // acquireAttempts bounds the retries of Acquire's statement. It returns
@@ -656,7 +720,8 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[Acq
 		retentions = append(retentions, r.Retention.Microseconds())
 		locks = append(locks, r.LockTimeout.Microseconds())
 	}
-	rows, err := s.pool.Query(ctx, s.sql.acquire, hashes, keys, fingerprints, methods, paths, tokens, retentions, locks)
+	sql, args := s.sql.acquire.forRows(len(calls), []any{hashes, keys, fingerprints, methods, paths, tokens, retentions, locks})
+	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
 		s.dropDeadConns(err)
 		fail(err)
@@ -869,7 +934,7 @@ type ownedBatcher = batcher[ownedRequest, bool]
 
 // newOwnedBatcher returns the batcher of the statement that *sql holds
 // (read at each batch: EnableWaiting changes it), op naming it in errors.
-func (s *PostgresStore) newOwnedBatcher(op string, sql *string) *ownedBatcher {
+func (s *PostgresStore) newOwnedBatcher(op string, sql *statement) *ownedBatcher {
 	return &ownedBatcher{
 		lanes: batchLanes,
 		key:   func(r ownedRequest) RecordKey { return r.key },
@@ -899,11 +964,11 @@ func (s *PostgresStore) execOwned(ctx context.Context, b *ownedBatcher, req owne
 	return nil
 }
 
-// sendOwned runs sql for a batch of owned records and tells each call
+// sendOwned runs st for a batch of owned records and tells each call
 // whether its row changed. The database refusing one row's data (a
 // permanent error) would fail the whole statement: the rows of a batch
 // that failed so are then sent alone, so that only the culprit fails.
-func (s *PostgresStore) sendOwned(ctx context.Context, op, sql string, calls []*batchCall[ownedRequest, bool]) {
+func (s *PostgresStore) sendOwned(ctx context.Context, op string, st statement, calls []*batchCall[ownedRequest, bool]) {
 	var (
 		hashes, tokens [][]byte
 		keys           []string
@@ -945,6 +1010,7 @@ func (s *PostgresStore) sendOwned(ctx context.Context, op, sql string, calls []*
 		}
 		args = append(args, s.channel, payloads)
 	}
+	sql, args := st.forRows(len(calls), args)
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err == nil {
 		for rows.Next() {
@@ -967,7 +1033,7 @@ func (s *PostgresStore) sendOwned(ctx context.Context, op, sql string, calls []*
 	if permanentError(err) && len(calls) > 1 {
 		for _, c := range calls {
 			c.res = false
-			s.sendOwned(ctx, op, sql, []*batchCall[ownedRequest, bool]{c})
+			s.sendOwned(ctx, op, st, []*batchCall[ownedRequest, bool]{c})
 		}
 		return
 	}

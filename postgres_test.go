@@ -951,27 +951,41 @@ func checkPrimaryKeyPlans(t *testing.T, s *PostgresStore) {
 		hash  = `'\x` + "0000000000000000000000000000000000000000000000000000000000000000" + `'::bytea`
 		token = `'\x` + "00000000000000000000000000000000" + `'::bytea`
 	)
-	// The batched statements take arrays: batches of one and full ones.
+	// A statement for one request takes the values; a batch takes
+	// arrays: batches of two and full ones.
 	arr := func(elem string, rows int) string {
+		if rows == 1 {
+			return elem
+		}
 		return "ARRAY[" + strings.TrimSuffix(strings.Repeat(elem+", ", rows), ", ") + "]"
+	}
+	form := func(st statement, rows int) string {
+		if rows == 1 {
+			return st.one
+		}
+		return st.batch
 	}
 	statements := map[string]struct{ sql, args string }{
 		"lookup": {s.sql.lookup, hash + `, 'key-00000001'`},
 	}
-	for _, rows := range []int{1, batchRows} {
+	for _, rows := range []int{1, 2, batchRows} {
 		keys := make([]string, rows)
 		for i := range keys {
 			keys[i] = fmt.Sprintf("'key-%08d'", i)
 		}
-		owned := arr(hash, rows) + ", ARRAY[" + strings.Join(keys, ", ") + "], " + arr(token, rows)
-		statements[fmt.Sprintf("acquire %d", rows)] = struct{ sql, args string }{s.sql.acquire,
-			arr(hash, rows) + ", ARRAY[" + strings.Join(keys, ", ") + "], " + arr(hash, rows) + ", " + arr(`'POST'`, rows) + ", " +
+		keyArgs := keys[0]
+		if rows > 1 {
+			keyArgs = "ARRAY[" + strings.Join(keys, ", ") + "]"
+		}
+		owned := arr(hash, rows) + ", " + keyArgs + ", " + arr(token, rows)
+		statements[fmt.Sprintf("acquire %d", rows)] = struct{ sql, args string }{form(s.sql.acquire, rows),
+			arr(hash, rows) + ", " + keyArgs + ", " + arr(hash, rows) + ", " + arr(`'POST'`, rows) + ", " +
 				arr(`'/v1/charges'`, rows) + ", " + arr(token, rows) + ", " + arr("86400000000::bigint", rows) + ", " + arr("30000000::bigint", rows)}
-		statements[fmt.Sprintf("complete %d", rows)] = struct{ sql, args string }{s.sql.complete,
+		statements[fmt.Sprintf("complete %d", rows)] = struct{ sql, args string }{form(s.sql.complete, rows),
 			owned + ", " + arr("200", rows) + ", " + arr(`'\x01'::bytea`, rows) + ", " + arr(`'\x00'::bytea`, rows) + ", " +
 				arr("true", rows) + ", " + arr("1::bigint", rows) + ", " + arr("86400000000::bigint", rows)}
-		statements[fmt.Sprintf("renew %d", rows)] = struct{ sql, args string }{s.sql.renew, owned}
-		statements[fmt.Sprintf("release %d", rows)] = struct{ sql, args string }{s.sql.release, owned}
+		statements[fmt.Sprintf("renew %d", rows)] = struct{ sql, args string }{form(s.sql.renew, rows), owned}
+		statements[fmt.Sprintf("release %d", rows)] = struct{ sql, args string }{form(s.sql.release, rows), owned}
 	}
 	for name, st := range statements {
 		if _, err := conn.Exec(ctx, "PREPARE plan_check AS "+st.sql); err != nil {

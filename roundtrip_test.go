@@ -93,13 +93,13 @@ func (tr *tableTracer) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrep
 
 func (ts *tableStatements) label(sql string) string {
 	switch sql {
-	case ts.sql.acquire:
+	case ts.sql.acquire.batch, ts.sql.acquire.one:
 		return "acquire"
-	case ts.sql.complete:
+	case ts.sql.complete.batch, ts.sql.complete.one:
 		return "complete"
-	case ts.sql.release:
+	case ts.sql.release.batch, ts.sql.release.one:
 		return "release"
-	case ts.sql.renew:
+	case ts.sql.renew.batch, ts.sql.renew.one:
 		return "renew"
 	case ts.sql.lookup:
 		return "lookup"
