@@ -25,7 +25,13 @@ import (
 // cleans it up when the test ends.
 func newTestPostgresStore(t *testing.T, table string, maxConns int32) *PostgresStore {
 	t.Helper()
-	s := &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns}
+	return provisionTestStore(t, &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns})
+}
+
+// provisionTestStore provisions s as Caddy would, and cleans it up when
+// the test ends.
+func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
+	t.Helper()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
 	if err := s.Provision(ctx); err != nil {

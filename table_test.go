@@ -138,8 +138,6 @@ func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
 	})
 }
 
-// An acquire whose connection the server ended is tried again, with the
-
 // A database that is down refuses a new request at once (503), even when
 // the first attempt went to a pooled connection that the outage had
 // closed: writing to it fails before anything is sent, so there is no
@@ -148,13 +146,7 @@ func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
 func TestPostgresAcquireFailsFastWhenDatabaseDown(t *testing.T) {
 	t.Parallel()
 	fwd := newTCPForwarder(t, postgresAddr(t, testDSN(t)))
-	s := &PostgresStore{DSN: throughForwarder(t, testDSN(t), fwd), Table: freshTable(t), MaxConns: 4}
-	cctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := s.Provision(cctx); err != nil {
-		t.Fatal(err)
-	}
-	defer s.Cleanup()
+	s := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, testDSN(t), fwd), Table: freshTable(t), MaxConns: 4})
 	ctx := context.Background()
 	// Several requests at once, so that the pool keeps several
 	// connections, each dead after the cut.
@@ -183,18 +175,12 @@ func TestPostgresAcquireFailsFastWhenDatabaseDown(t *testing.T) {
 	}
 }
 
+// An acquire whose connection the server ended is tried again, with the
 // same token, instead of failing the request.
 func TestPostgresAcquireSurvivesKilledConnections(t *testing.T) {
 	t.Parallel()
 	app := "idem_acq_" + randomHex(4)
-	table := freshTable(t)
-	s := &PostgresStore{DSN: withApplicationName(testDSN(t), app), Table: table, MaxConns: 4}
-	cctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := s.Provision(cctx); err != nil {
-		t.Fatal(err)
-	}
-	defer s.Cleanup()
+	s := provisionTestStore(t, &PostgresStore{DSN: withApplicationName(testDSN(t), app), Table: freshTable(t), MaxConns: 4})
 	ctx := context.Background()
 	for i := range 5 {
 		// Warm connections, then kill them all: the next statement on
