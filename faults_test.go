@@ -1,7 +1,7 @@
 package idempotency
 
-// Faults, one test each: the database unreachable or its connections
-// killed under load, a Caddy instance killed with SIGKILL mid-request, a
+// Faults, one test each: the database unreachable, its connections
+// killed under load, or silent while a response is stored, a Caddy instance killed with SIGKILL mid-request, a
 // client hanging up mid-response, and config reloads under load. Each
 // checks the upstream's ledger: whatever fails, nothing executes twice.
 
@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"sort"
 	"strings"
@@ -187,6 +188,97 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 			t.Errorf("retry of refused key %s: %s, %v; want a first execution", l.c.Key, r, err)
 		}
 		break
+	}
+}
+
+// A database that goes silent (its replies lost, no reset: a host that
+// died, a failover without one) while an instance stores a response must
+// not let the lease run out behind the completion: a retry on another
+// instance would take the record over and execute it a second time. The
+// first completion's reply never comes; the next attempt, on a live
+// connection, must be sent while the lock is still held. Catches an
+// attempt bounded by the store timeout (5s, longer than this lock's
+// whole lease), and renewals that stop once the response is being
+// stored.
+func TestFaultPostgresSilentDuringComplete(t *testing.T) {
+	sb := postgresBackend(t)
+	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	const silence = time.Second
+	var executions atomic.Int32
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if executions.Add(1) == 1 {
+			// The first execution answers as the database goes
+			// silent: its completion is sent into the silence.
+			fwd.Mute()
+			time.AfterFunc(silence, fwd.Unmute)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"charge":%d}`, executions.Load())
+	}))
+	t.Cleanup(up.Close)
+
+	portA, portB := freeTCPPort(t), freeTCPPort(t)
+	block := func(dsn string) string {
+		return storeBackend{Name: "postgres", DSN: dsn, Table: sb.Table}.Block()
+	}
+	site := func(port int, dsn string) string {
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		lock_timeout 3s
+		retry_after 1s
+	}
+	reverse_proxy %s
+}
+`, port, block(dsn), strings.TrimPrefix(up.URL, "http://"))
+	}
+	srv := startCaddyfile(t, site(portA, throughForwarder(t, sb.DSN, fwd))+site(portB, sb.DSN))
+	a, b := newSiteClient(t, srv, portA), newSiteClient(t, srv, portB)
+
+	c := call{Key: newKey(), Body: payBody()}
+	type answer struct {
+		r   reply
+		err error
+		at  time.Time
+	}
+	first := make(chan answer, 1)
+	go func() {
+		r, err := a.DoCtx(context.Background(), c)
+		first <- answer{r, err, time.Now()}
+	}()
+	waitFor(t, 5*time.Second, "the first execution", func() bool { return executions.Load() > 0 })
+	executed := time.Now()
+
+	// Another instance retries the key, as a client that timed out
+	// would, until it gets the stored answer.
+	var retried reply
+	deadline := time.Now().Add(4 * silence)
+	for {
+		r, err := b.DoCtx(context.Background(), c)
+		if err != nil {
+			t.Fatalf("retry: %v", err)
+		}
+		if r.Status != http.StatusConflict {
+			retried = r
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the retry still got 409 %v after the silence ended", 3*silence)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	got := <-first
+	t.Logf("the retry got its answer %v after the first execution; the first request %v", time.Since(executed).Round(time.Millisecond), got.at.Sub(executed).Round(time.Millisecond))
+	if n := executions.Load(); n != 1 {
+		t.Fatalf("the key executed %d times; the retry got %v", n, retried)
+	}
+	if got.err != nil || got.r.Status != http.StatusCreated {
+		t.Errorf("the first request got %v, %v; want its 201", got.r, got.err)
+	}
+	if !retried.replayed() || retried.Status != http.StatusCreated || string(retried.Body) != `{"charge":1}` {
+		t.Errorf("the retry got %v, want the first answer replayed", retried)
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 )
 
@@ -11,9 +12,13 @@ import (
 // and can be cut: the network between Caddy and Postgres failing, which
 // no setting of either can simulate. Cut, it resets every open connection
 // and every new one, as a dead link or a firewall that rejects does.
+// Muted, it loses what the target sends, as a host gone silent does: the
+// statements in flight get no reply, and no error either.
 type tcpForwarder struct {
 	ln     net.Listener
 	target string
+
+	muted atomic.Bool
 
 	mu    sync.Mutex
 	cut   bool
@@ -52,6 +57,13 @@ func (f *tcpForwarder) Cut() {
 		reset(c)
 	}
 }
+
+// Mute drops what the target sends, on every connection, until Unmute.
+func (f *tcpForwarder) Mute() { f.muted.Store(true) }
+
+// Unmute relays what the target sends again. What was dropped meanwhile
+// is lost.
+func (f *tcpForwarder) Unmute() { f.muted.Store(false) }
 
 // Restore relays new connections again.
 func (f *tcpForwarder) Restore() {
@@ -100,16 +112,20 @@ func (f *tcpForwarder) relay(client net.Conn) {
 	}
 	defer f.untrack(client, server)
 	done := make(chan struct{}, 2)
-	pipe := func(dst, src net.Conn) {
-		_, _ = io.Copy(dst, src)
+	pipe := func(dst, src net.Conn, mutable bool) {
+		if mutable {
+			_, _ = io.Copy(dst, mutedReader{src, &f.muted})
+		} else {
+			_, _ = io.Copy(dst, src)
+		}
 		// Either side ending ends both: a half-open relay would hide a
 		// dead peer from the other.
 		reset(dst)
 		reset(src)
 		done <- struct{}{}
 	}
-	go pipe(server, client)
-	go pipe(client, server)
+	go pipe(server, client, false)
+	go pipe(client, server, true)
 	<-done
 	<-done
 }
@@ -135,5 +151,24 @@ func (f *tcpForwarder) untrack(conns ...net.Conn) {
 	defer f.mu.Unlock()
 	for _, c := range conns {
 		delete(f.conns, c)
+	}
+}
+
+// mutedReader reads from r, and drops what it reads while muted is set.
+type mutedReader struct {
+	r     io.Reader
+	muted *atomic.Bool
+}
+
+func (m mutedReader) Read(p []byte) (int, error) {
+	for {
+		n, err := m.r.Read(p)
+		if n > 0 && m.muted.Load() {
+			if err != nil {
+				return 0, err
+			}
+			continue
+		}
+		return n, err
 	}
 }

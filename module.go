@@ -769,10 +769,9 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	defer stopWatch()
 
 	repl.Set("http.idempotency.result", h.result(resultExecuted))
-	stopRenew := h.keepLock(rk, token, key, credID, lockedSince)
+	ls := h.keepLock(rk, token, key, credID, lockedSince)
 	rec := newRecorder(w, h.MaxResponseBody)
 	panicked, err := serveRecovering(next, rec, r.WithContext(execCtx))
-	lockedAt := stopRenew()
 	if panicked == errResendRefused {
 		// The trace stopped a second sending of the request: an answer
 		// like any failed attempt that reached the upstream.
@@ -789,7 +788,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 			zap.String("key", key), zap.String("credential_id", credID),
 			zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Any("panic", panicked))
-		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), lockedAt)
+		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), ls)
 		panic(panicked)
 	}
 	// The body has been handed on (and read to its end): let it go
@@ -800,6 +799,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	if err != nil && !rec.wroteHeader {
 		_, proxied := repl.Get(upstreamPlaceholder)
 		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
+			ls.stop()
 			result := resultReleased
 			if !h.release(rk, token, key, credID, r, err) {
 				result = resultStoreError
@@ -830,7 +830,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		resp = p.response()
 	}
 
-	stored := h.complete(rk, token, key, credID, r, resp, lockedAt)
+	stored := h.complete(rk, token, key, credID, r, resp, ls)
 	if h.Shadow {
 		// Shadow mode changes no response: the error goes on to the
 		// site's error handling, as it would without this handler.
@@ -939,6 +939,10 @@ func nothingExecuted(err error, proxied bool) bool {
 
 func (h *Handler) renewInterval() time.Duration { return time.Duration(h.LockTimeout) / 3 }
 
+// attemptTimeout bounds one attempt to complete a record: the store
+// timeout, or half a renewal interval if that is shorter (complete).
+func (h *Handler) attemptTimeout() time.Duration { return min(storeTimeout, h.renewInterval()/2) }
+
 // renew dates the lock anew, in one bounded round trip.
 func (h *Handler) renew(rk RecordKey, token LockToken) error {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
@@ -946,22 +950,28 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 	return h.store.Renew(ctx, rk, token)
 }
 
-// complete stores the response. The client already has it; a failure
-// here leaves the record in progress until its lock expires, and then a
-// retry would run again. So it is retried for as long as the lock,
-// dated at lockedAt, cannot have been taken over: a store that lost its
-// connections (a restart, a failover) fails the first statements on
-// each of the pool's dead connections before a fresh one is dialled,
-// and a fixed few attempts can all meet one. A response that the store
-// can never take (ErrUnstorable) is not retried: the record is completed
-// as not replayable instead, so that a retry is refused, not executed.
-// It reports whether the record holds the response (or that refusal).
-func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, lockedAt time.Time) (stored bool) {
-	deadline := lockedAt.Add(time.Duration(h.LockTimeout))
+// complete stores the response, then lets the lease go. The client
+// already has it; a failure here leaves the record in progress until its
+// lock expires, and then a retry would run again. So it is retried for
+// as long as the lock, which ls goes on renewing meanwhile, cannot have
+// been taken over: a store that lost its connections (a restart, a
+// failover) fails the first statements on each of the pool's dead
+// connections before a fresh one is dialled, and a fixed few attempts
+// can all meet one. An attempt is given half a renewal interval, not
+// the whole store timeout: a reply that never comes (a host gone silent)
+// would otherwise use up the lease of a short lock_timeout before a
+// second attempt, on a live connection, could be sent. A response that
+// the store can never take (ErrUnstorable) is not retried: the record is
+// completed as not replayable instead, so that a retry is refused, not
+// executed. It reports whether the record holds the response (or that
+// refusal).
+func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, ls *lease) (stored bool) {
+	ls.completing()
+	defer ls.stop()
 	var err error
 	degraded := false
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), h.attemptTimeout())
 		err = h.store.Complete(ctx, rk, token, resp, time.Duration(h.Retention))
 		cancel()
 		if errors.Is(err, ErrUnstorable) && !degraded {
@@ -972,6 +982,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
 		}
+		deadline := ls.since().Add(time.Duration(h.LockTimeout))
 		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
 		}

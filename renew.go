@@ -80,6 +80,8 @@ type heldLock struct {
 	inFlight int
 	lastSent time.Time
 	lost     bool
+	// completing: the record is being completed (lease.completing).
+	completing bool
 	// stopped: the request has let go of the lock (its record completed
 	// or released). A renewal that ends later changes nothing in the
 	// store (it renews only a record in progress under the token) and
@@ -94,12 +96,14 @@ func (r *lockRenewer) period() time.Duration { return r.h.renewInterval() / 2 }
 // a lock when a renewal reaches it, so no earlier than when it was sent:
 // lockedSince is when the acquire, or the last renewal, was sent. A
 // renewal is due a third of the timeout after that at the latest,
-// leaving room for two slow or failed attempts. stop ends the renewals
-// and returns when the lock was last dated. It does not wait for a
-// renewal in flight: one stuck in the store would hold the completion up
-// for as long, and a renewal that reaches the store after the completion
-// finds no record in progress to change.
-func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) (stop func() time.Time) {
+// leaving room for two slow or failed attempts.
+//
+// The renewals go on while the response is being stored: a completion
+// sent on a connection whose reply never comes (a database host gone
+// silent, a failover without a reset) waits for its attempt's timeout,
+// and the lease must not run out behind it while a retry could take the
+// record over and execute it a second time.
+func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) *lease {
 	r := h.renewer
 	l := &heldLock{lock: HeldLock{Key: rk, Token: token}, key: key, credID: credID, lockedSince: lockedSince}
 	r.mu.Lock()
@@ -108,13 +112,41 @@ func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lo
 		r.timer = time.AfterFunc(r.period(), r.tick)
 	}
 	r.mu.Unlock()
-	return func() time.Time {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		delete(r.held, l)
-		l.stopped = true
-		return l.lockedSince
-	}
+	return &lease{r: r, l: l}
+}
+
+// lease is a request's hold on its lock, as keepLock renews it.
+type lease struct {
+	r *lockRenewer
+	l *heldLock
+}
+
+// since is when the lock was last dated.
+func (ls *lease) since() time.Time {
+	ls.r.mu.Lock()
+	defer ls.r.mu.Unlock()
+	return ls.l.lockedSince
+}
+
+// completing notes that the record is being completed: from now on, a
+// renewal that finds the lock gone may have met the completion itself,
+// so it tells nothing; the completion finds out whether the lock was
+// lost.
+func (ls *lease) completing() {
+	ls.r.mu.Lock()
+	defer ls.r.mu.Unlock()
+	ls.l.completing = true
+}
+
+// stop ends the renewals. It does not wait for a renewal in flight: one
+// stuck in the store would hold the request up for as long, and a
+// renewal that reaches the store after the record was completed or
+// released finds no record in progress to change.
+func (ls *lease) stop() {
+	ls.r.mu.Lock()
+	defer ls.r.mu.Unlock()
+	delete(ls.r.held, ls.l)
+	ls.l.stopped = true
 }
 
 // tick sends the renewal of the locks that are due, then sets the next
@@ -161,6 +193,8 @@ func (r *lockRenewer) renew(due []*heldLock) {
 		l.inFlight--
 		switch err := errs[i]; {
 		case l.stopped:
+		case errors.Is(err, ErrLockLost) && l.completing:
+			l.lost = true
 		case err == nil:
 			if sent.After(l.lockedSince) {
 				l.lockedSince = sent
