@@ -192,15 +192,31 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 }
 
 // A database that goes silent (its replies lost, no reset: a host that
-// died, a failover without one) while an instance stores a response must
-// not let the lease run out behind the completion: a retry on another
-// instance would take the record over and execute it a second time. The
-// first completion's reply never comes; the next attempt, on a live
-// connection, must be sent while the lock is still held. Catches an
+// died, a failover without one) for a third of lock_timeout must not let
+// a lease run out: a retry on another instance would take the record
+// over and execute it a second time. The statements in flight get no
+// reply, so the next ones, on live connections, must be sent while the
+// lock is still held: the completion's next attempt, when the silence
+// comes as the response is being stored; the renewals that follow a
+// stuck one, when it comes while the upstream runs. Catches a completion
 // attempt bounded by the store timeout (5s, longer than this lock's
-// whole lease), and renewals that stop once the response is being
-// stored.
-func TestFaultPostgresSilentDuringComplete(t *testing.T) {
+// whole lease), renewals that stop once the response is being stored,
+// and renewals sent again only an interval after a stuck one.
+func TestFaultPostgresSilent(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// work is how long the upstream runs after the silence
+		// begins; the response is stored as it ends.
+		work time.Duration
+	}{
+		{"during complete", 0},
+		{"during execution", 2 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testPostgresSilent(t, tc.work) })
+	}
+}
+
+func testPostgresSilent(t *testing.T, work time.Duration) {
 	sb := postgresBackend(t)
 	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
 	const silence = time.Second
@@ -208,10 +224,9 @@ func TestFaultPostgresSilentDuringComplete(t *testing.T) {
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		if executions.Add(1) == 1 {
-			// The first execution answers as the database goes
-			// silent: its completion is sent into the silence.
 			fwd.Mute()
 			time.AfterFunc(silence, fwd.Unmute)
+			time.Sleep(work)
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)
@@ -220,9 +235,6 @@ func TestFaultPostgresSilentDuringComplete(t *testing.T) {
 	t.Cleanup(up.Close)
 
 	portA, portB := freeTCPPort(t), freeTCPPort(t)
-	block := func(dsn string) string {
-		return storeBackend{Name: "postgres", DSN: dsn, Table: sb.Table}.Block()
-	}
 	site := func(port int, dsn string) string {
 		return fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
@@ -232,7 +244,7 @@ func TestFaultPostgresSilentDuringComplete(t *testing.T) {
 	}
 	reverse_proxy %s
 }
-`, port, block(dsn), strings.TrimPrefix(up.URL, "http://"))
+`, port, storeBackend{Name: "postgres", DSN: dsn, Table: sb.Table}.Block(), strings.TrimPrefix(up.URL, "http://"))
 	}
 	srv := startCaddyfile(t, site(portA, throughForwarder(t, sb.DSN, fwd))+site(portB, sb.DSN))
 	a, b := newSiteClient(t, srv, portA), newSiteClient(t, srv, portB)
@@ -254,7 +266,7 @@ func TestFaultPostgresSilentDuringComplete(t *testing.T) {
 	// Another instance retries the key, as a client that timed out
 	// would, until it gets the stored answer.
 	var retried reply
-	deadline := time.Now().Add(4 * silence)
+	deadline := executed.Add(work + 4*silence)
 	for {
 		r, err := b.DoCtx(context.Background(), c)
 		if err != nil {
@@ -265,12 +277,13 @@ func TestFaultPostgresSilentDuringComplete(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the retry still got 409 %v after the silence ended", 3*silence)
+			t.Fatalf("the retry still got 409 %v after the first execution", time.Since(executed).Round(time.Millisecond))
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
 	got := <-first
-	t.Logf("the retry got its answer %v after the first execution; the first request %v", time.Since(executed).Round(time.Millisecond), got.at.Sub(executed).Round(time.Millisecond))
+	t.Logf("the retry got its answer %v after the first execution began; the first request %v",
+		time.Since(executed).Round(time.Millisecond), got.at.Sub(executed).Round(time.Millisecond))
 	if n := executions.Load(); n != 1 {
 		t.Fatalf("the key executed %d times; the retry got %v", n, retried)
 	}
