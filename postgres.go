@@ -182,6 +182,17 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		// connection's first use and then only executed.
 		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
 		cfg.ConnConfig.Tracer = testQueryTracer
+		// The pool dials on its own, past the request that made it dial,
+		// and a dial has no bound of its own: one whose startup reply
+		// never comes (a database gone silent, a partition) held its
+		// place in the pool for ever, and a few such silences filled
+		// the pool for good, every request answered 503 long after the
+		// database was back. A dial that takes longer than a statement
+		// may is given up (per host of a multi-host DSN). A DSN's own
+		// connect_timeout stands.
+		if cfg.ConnConfig.ConnectTimeout == 0 {
+			cfg.ConnConfig.ConnectTimeout = storeTimeout
+		}
 		if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 			cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-idempotency"
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -136,6 +137,46 @@ func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
 			}
 		}
 	})
+}
+
+// A connection dialled while the database is silent (its replies lost,
+// no reset) must not hold its place in the pool for ever: its startup
+// never ends, and a pool whose places are all taken so answers every
+// request with 503 long after the database is back. Catches a pool
+// whose dials have no bound unless the DSN sets connect_timeout (ten
+// silences of a second filled a pool of 16 for good).
+func TestPostgresDialDuringSilenceIsBounded(t *testing.T) {
+	t.Parallel()
+	fwd := newTCPForwarder(t, postgresAddr(t, testDSN(t)))
+	u, err := url.Parse(testDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Host = fwd.Addr() // and no connect_timeout
+	s := provisionTestStore(t, &PostgresStore{DSN: u.String(), Table: freshTable(t), MaxConns: 4})
+	// Silences, each with requests that give up during it, having made
+	// the pool dial connections for them.
+	for round := range 6 {
+		fwd.Mute()
+		var wg sync.WaitGroup
+		for i := range 8 {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				defer cancel()
+				_, _ = s.Acquire(ctx, testAcquireRequest("cred", fmt.Sprintf("silent-%d-%d", round, i), "body"))
+			})
+		}
+		wg.Wait()
+		fwd.Unmute()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*storeTimeout)
+	defer cancel()
+	start := time.Now()
+	res, err := s.Acquire(ctx, testAcquireRequest("cred", "after", "body"))
+	if err != nil || res.Outcome != OutcomeCreated {
+		t.Fatalf("acquire after the silence: %+v, %v (after %v); want created within the store timeout",
+			res, err, time.Since(start).Round(time.Millisecond))
+	}
 }
 
 // A database that is down refuses a new request at once (503), even when
