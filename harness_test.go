@@ -309,6 +309,8 @@ type execution struct {
 //	X-Test-Sleep: <duration>  wait before answering (ends early, Cancelled, if the request context ends)
 //	X-Test-Status: <code>     answer with this status (default 201)
 //	X-Test-Extra: 1           also send Set-Cookie (twice), Authorization and X-Secret
+//	X-Test-Credentials: 1     also send Cookie, Authentication-Info,
+//	                          Proxy-Authentication-Info and X-Api-Key
 //	X-Test-Size: <n>          answer with an n-byte body (text) instead of the JSON echo
 //	X-Test-Chunked: 1         do not send Content-Length (stream the body)
 //	X-Test-Gate: <name>       stream: send "first\n", flush, wait for Open(name), send "second\n"
@@ -432,6 +434,12 @@ func (u *upstream) serve(w http.ResponseWriter, r *http.Request) {
 		h["Set-Cookie"] = []string{"session=abc; Path=/", "tracker=xyz; Path=/"}
 		h.Set("Authorization", "Bearer upstream-token")
 		h.Set("X-Secret", "s3cr3t")
+	}
+	if r.Header.Get("X-Test-Credentials") != "" {
+		h.Set("Cookie", "session=echoed")
+		h.Set("Authentication-Info", `nextnonce="upstream-nonce"`)
+		h.Set("Proxy-Authentication-Info", `nextnonce="proxy-nonce"`)
+		h.Set("X-Api-Key", "echoed-api-key")
 	}
 
 	if gate := r.Header.Get("X-Test-Gate"); gate != "" {

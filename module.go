@@ -57,8 +57,10 @@ const (
 // alwaysExcluded are the response headers never stored nor replayed:
 // cookies and credentials belong to the first response only, and
 // hop-by-hop headers describe the first connection, not the response.
+// The credential header that a handler reads is excluded too (Provision).
 var alwaysExcluded = []string{
-	"Set-Cookie", "Authorization", "Proxy-Authorization",
+	"Set-Cookie", "Cookie", "Authorization", "Proxy-Authorization",
+	"Authentication-Info", "Proxy-Authentication-Info",
 	"Connection", "Keep-Alive", "Transfer-Encoding", "Te", "Trailer",
 	"Upgrade", "Proxy-Authenticate",
 }
@@ -129,8 +131,9 @@ type Handler struct {
 	MaxResponseBody int64 `json:"max_response_body,omitempty"`
 
 	// Response headers not stored nor replayed, in addition to
-	// Set-Cookie, Authorization, Proxy-Authorization and hop-by-hop
-	// headers.
+	// Set-Cookie, Cookie, Authorization, Proxy-Authorization,
+	// Authentication-Info, Proxy-Authentication-Info, the credential
+	// header and hop-by-hop headers.
 	ExcludeHeaders []string `json:"exclude_headers,omitempty"`
 
 	// How often this instance deletes expired records. 0 disables
@@ -247,7 +250,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.methods[strings.ToUpper(m)] = struct{}{}
 	}
 	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
-	for _, name := range append(append([]string{}, alwaysExcluded...), h.ExcludeHeaders...) {
+	for _, name := range append(append([]string{h.CredentialHeader}, alwaysExcluded...), h.ExcludeHeaders...) {
 		h.excluded[http.CanonicalHeaderKey(name)] = struct{}{}
 	}
 

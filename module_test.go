@@ -1101,6 +1101,41 @@ func TestExcludedHeadersAreNotReplayed(t *testing.T) {
 	})
 }
 
+// Credentials that an upstream sends back are not stored nor replayed:
+// the credential header the handler reads (here X-Api-Key), Cookie, and
+// the Authentication-Info headers (RFC 7615), as with Authorization.
+// They would otherwise sit in the store, the admin API's records and the
+// CLI's output. Catches a never-stored list that knew only
+// Authorization as a credential.
+func TestCredentialHeadersAreNotReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "credential_header X-Api-Key")
+		c := call{Key: newKey(), Body: payBody(), Cred: "tenant-a-key", CredHeader: "X-Api-Key",
+			Header: map[string]string{"X-Test-Credentials": "1"}}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		credentials := []string{"X-Api-Key", "Cookie", "Authentication-Info", "Proxy-Authentication-Info"}
+		for _, h := range credentials {
+			if first.Header.Get(h) == "" {
+				t.Errorf("the first caller must get the upstream's %s", h)
+			}
+		}
+		replay := s.Do(t, c)
+		if !replay.replayed() || !bytes.Equal(replay.Body, first.Body) {
+			t.Fatalf("want a replay, got %s", replay)
+		}
+		for _, h := range credentials {
+			if v := replay.Header.Values(h); len(v) != 0 {
+				t.Errorf("replay carries %s: %q", h, v)
+			}
+		}
+		if got := replay.Header.Values("X-Multi"); !equalStrings(got, []string{"one", "two"}) {
+			t.Errorf("replay X-Multi = %q, want [one two]", got)
+		}
+	})
+}
+
 func TestCustomKeyHeader(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
