@@ -269,8 +269,8 @@ func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
 // acquireAlone is Acquire in a statement of its own, as a store that
 // does not batch would send it.
 func (s *PostgresStore) acquireAlone(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	c := &batchCall[AcquireRequest, AcquireResult]{ctx: ctx, req: req}
-	s.sendAcquires(ctx, []*batchCall[AcquireRequest, AcquireResult]{c})
+	c := &batchCall[queuedAcquire, AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}}
+	s.sendAcquires(ctx, []*batchCall[queuedAcquire, AcquireResult]{c})
 	return c.res, c.err
 }
 

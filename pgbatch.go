@@ -39,6 +39,9 @@ type batchCall[Req, Res any] struct {
 	res  Res
 	err  error
 	done chan struct{}
+	// followers are the calls for the same key that wait for this
+	// one's outcome (batcher.follow).
+	followers []*batchCall[Req, Res]
 }
 
 // batcher sends the calls queued for one kind of statement, in batches,
@@ -47,13 +50,23 @@ type batcher[Req, Res any] struct {
 	lanes int
 	// key is the row a request works on: two calls for one row never
 	// share a statement (an INSERT ... ON CONFLICT DO UPDATE cannot
-	// affect a row twice), so the later waits for the next batch.
+	// affect a row twice), so the later follows the earlier (follow)
+	// or waits for the next batch.
 	key func(Req) RecordKey
 	// size is what a request adds to the statement, in bytes.
 	size func(Req) int
 	// send runs one statement for calls, sorted by key, and sets each
 	// call's outcome.
 	send func(ctx context.Context, calls []*batchCall[Req, Res])
+	// follow, if set, lets a call for a key that the batch already has
+	// ride on that key's call, the lead, rather than wait for a batch
+	// of its own: many requests for one key (a client retrying in a
+	// loop, a replay storm) would otherwise go one statement each, one
+	// after the other, holding up every other key's requests behind
+	// them. Once the lead's statement has run, follow sets c's outcome
+	// from the lead's, or reports false when the lead's outcome need
+	// not be c's; c then goes in the next batch.
+	follow func(lead, c *batchCall[Req, Res]) bool
 
 	mu      sync.Mutex
 	queue   []*batchCall[Req, Res]
@@ -113,13 +126,13 @@ func (b *batcher[Req, Res]) next() []*batchCall[Req, Res] {
 }
 
 // take removes the next batch from the queue, in arrival order, within
-// the bounds, one call per key. Calls whose requests have given up are
-// dropped. The caller holds mu.
+// the bounds, one call per key, with the calls that follow them. Calls
+// whose requests have given up are dropped. The caller holds mu.
 func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
 	var (
 		batch []*batchCall[Req, Res]
 		rest  = b.queue[:0]
-		keys  = make(map[RecordKey]struct{}, min(len(b.queue), batchRows))
+		leads = make(map[RecordKey]*batchCall[Req, Res], min(len(b.queue), batchRows))
 		size  int
 	)
 	for _, c := range b.queue {
@@ -129,7 +142,11 @@ func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
 			continue
 		}
 		k := b.key(c.req)
-		_, dup := keys[k]
+		lead, dup := leads[k]
+		if dup && b.follow != nil {
+			lead.followers = append(lead.followers, c)
+			continue
+		}
 		n := 0
 		if b.size != nil {
 			n = b.size(c.req)
@@ -138,7 +155,7 @@ func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
 			rest = append(rest, c)
 			continue
 		}
-		keys[k] = struct{}{}
+		leads[k] = c
 		size += n
 		batch = append(batch, c)
 	}
@@ -168,11 +185,27 @@ func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
 		return compareKeys(b.key(x.req), b.key(y.req))
 	})
 	b.send(ctx, batch)
+	var again []*batchCall[Req, Res]
 	for i, c := range batch {
 		stops[i]()
+		for _, f := range c.followers {
+			if b.follow(c, f) {
+				close(f.done)
+			} else {
+				again = append(again, f)
+			}
+		}
+		c.followers = nil
 		close(c.done)
 	}
 	cancel()
+	if len(again) > 0 {
+		// First in the queue, for the sender's next batch: they have
+		// waited one batch already.
+		b.mu.Lock()
+		b.queue = append(again, b.queue...)
+		b.mu.Unlock()
+	}
 }
 
 // compareKeys orders record keys as every batch takes its rows.

@@ -16,10 +16,10 @@ import (
 
 // sendAcquireBatch runs reqs as one batch, one statement, and returns the
 // calls in the order of reqs.
-func sendAcquireBatch(s *PostgresStore, reqs ...AcquireRequest) []*batchCall[AcquireRequest, AcquireResult] {
-	calls := make([]*batchCall[AcquireRequest, AcquireResult], len(reqs))
+func sendAcquireBatch(s *PostgresStore, reqs ...AcquireRequest) []*batchCall[queuedAcquire, AcquireResult] {
+	calls := make([]*batchCall[queuedAcquire, AcquireResult], len(reqs))
 	for i, r := range reqs {
-		calls[i] = &batchCall[AcquireRequest, AcquireResult]{ctx: context.Background(), req: r, done: make(chan struct{})}
+		calls[i] = &batchCall[queuedAcquire, AcquireResult]{ctx: context.Background(), req: queuedAcquire{AcquireRequest: r}, done: make(chan struct{})}
 	}
 	s.acquires.sendBatch(slices.Clone(calls))
 	return calls
@@ -273,5 +273,165 @@ func TestPostgresBatchesOfTwoInstancesNeverDeadlock(t *testing.T) {
 	t.Logf("%d acquires (%d owned) in %d statements", acquires.Load(), owned.Load(), sent)
 	if owned.Load() == 0 || int64(sent) >= acquires.Load() {
 		t.Errorf("%d acquires (%d owned) in %d statements: no batches", acquires.Load(), owned.Load(), sent)
+	}
+}
+
+// With follow, a call for a key that the batch already has rides on that
+// key's call instead of waiting for a batch of its own; one that follow
+// turns away goes in the next batch. Catches followers that are dropped,
+// left waiting, or sent again as the lead's duplicate in one statement.
+func TestBatcherFollowersRideOnTheLead(t *testing.T) {
+	type req struct {
+		key    string
+		follow bool // whether follow gives this call the lead's outcome
+	}
+	release := make(chan struct{})
+	var (
+		mu      sync.Mutex
+		batches [][]string
+		sent    atomic.Int32
+	)
+	b := &batcher[req, int32]{
+		lanes: 1,
+		key:   func(r req) RecordKey { return RecordKey{Key: r.key} },
+		send: func(_ context.Context, calls []*batchCall[req, int32]) {
+			var keys []string
+			for _, c := range calls {
+				keys = append(keys, c.req.key)
+				c.res = sent.Add(1)
+			}
+			mu.Lock()
+			batches = append(batches, keys)
+			mu.Unlock()
+			<-release
+		},
+		follow: func(lead, c *batchCall[req, int32]) bool {
+			if !c.req.follow {
+				return false
+			}
+			c.res = lead.res
+			return true
+		},
+	}
+	var wg sync.WaitGroup
+	results := make(map[string]int32)
+	do := func(name string, r req) {
+		wg.Go(func() {
+			res, err := b.do(context.Background(), r)
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+			}
+			mu.Lock()
+			results[name] = res
+			mu.Unlock()
+		})
+	}
+	queued := func(n int) {
+		waitFor(t, 5*time.Second, fmt.Sprintf("%d queued", n), func() bool {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.queue) == n
+		})
+	}
+	do("first", req{key: "first"})
+	waitFor(t, 5*time.Second, "the first batch", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(batches) == 1
+	})
+	do("a lead", req{key: "a"})
+	queued(1)
+	do("a follower", req{key: "a", follow: true})
+	queued(2)
+	do("a turned away", req{key: "a"})
+	queued(3)
+	do("b", req{key: "b"})
+	queued(4)
+	close(release)
+	wg.Wait()
+	if got := fmt.Sprint(batches); got != "[[first] [a b] [a]]" {
+		t.Errorf("batches %s, want [[first] [a b] [a]]", got)
+	}
+	if results["a follower"] != results["a lead"] {
+		t.Errorf("the follower got %d, its lead %d", results["a follower"], results["a lead"])
+	}
+	if results["a turned away"] == results["a lead"] {
+		t.Errorf("the call turned away got its lead's outcome")
+	}
+}
+
+// An acquire rides on another of its key only where the statement would
+// have answered it the same. Catches sharing a record in progress with a
+// request of another fingerprint (a stale lock that only it would take
+// over), sharing with an acquire whose earlier attempt may own the record,
+// and sharing a failure or a creation.
+func TestFollowAcquire(t *testing.T) {
+	fp := func(s string) (f [32]byte) { copy(f[:], s); return f }
+	existing := func(status Status, fingerprint string) AcquireResult {
+		return AcquireResult{Outcome: OutcomeExisting, Record: &Record{Status: status, Fingerprint: fp(fingerprint)}}
+	}
+	call := func(fingerprint string, sent bool, res AcquireResult, err error) *batchCall[queuedAcquire, AcquireResult] {
+		return &batchCall[queuedAcquire, AcquireResult]{
+			req: queuedAcquire{AcquireRequest: AcquireRequest{Fingerprint: fp(fingerprint)}, sent: sent},
+			res: res, err: err,
+		}
+	}
+	for _, tc := range []struct {
+		name   string
+		lead   *batchCall[queuedAcquire, AcquireResult]
+		follow *batchCall[queuedAcquire, AcquireResult]
+		want   bool
+	}{
+		{"completed, same request", call("x", false, existing(StatusCompleted, "x"), nil), call("x", false, AcquireResult{}, nil), true},
+		{"completed, another request", call("x", false, existing(StatusCompleted, "x"), nil), call("y", false, AcquireResult{}, nil), true},
+		{"in progress, same request", call("x", false, existing(StatusInProgress, "x"), nil), call("x", false, AcquireResult{}, nil), true},
+		{"in progress, another request", call("y", false, existing(StatusInProgress, "x"), nil), call("x", false, AcquireResult{}, nil), false},
+		{"in progress, its own earlier attempt", call("x", false, existing(StatusInProgress, "x"), nil), call("x", true, AcquireResult{}, nil), false},
+		{"created", call("x", false, AcquireResult{Outcome: OutcomeCreated}, nil), call("x", false, AcquireResult{}, nil), false},
+		{"taken over", call("x", false, AcquireResult{Outcome: OutcomeTakenOver}, nil), call("x", false, AcquireResult{}, nil), false},
+		{"failed", call("x", false, AcquireResult{}, errors.New("conn closed")), call("x", false, AcquireResult{}, nil), false},
+	} {
+		got := followAcquire(tc.lead, tc.follow)
+		if got != tc.want {
+			t.Errorf("%s: follows %v, want %v", tc.name, got, tc.want)
+		}
+		if got && (tc.follow.res.Outcome != OutcomeExisting || tc.follow.res.Record == tc.lead.res.Record ||
+			tc.follow.res.Record.Status != tc.lead.res.Record.Status) {
+			t.Errorf("%s: the follower got %+v, want a copy of the lead's record", tc.name, tc.follow.res)
+		}
+	}
+}
+
+// Many requests for one key at once (a client retrying in a loop while
+// the first runs) share statements: they cost what a few requests cost,
+// not one statement each, one after the other, in front of every other
+// key's requests. Each still gets the record in progress.
+func TestPostgresAcquiresOfOneKeyShareStatements(t *testing.T) {
+	table := freshTable(t)
+	statementCounter.watch(t, table)
+	s := newTestPostgresStore(t, table, 8)
+	first := testAcquireRequest("cred", "flooded", "body")
+	mustAcquirePG(t, s, first, OutcomeCreated)
+	statementCounter.take(table)
+	const flood = 400
+	var (
+		wg    sync.WaitGroup
+		start = make(chan struct{})
+	)
+	for range flood {
+		wg.Go(func() {
+			<-start
+			res, err := s.Acquire(context.Background(), retryRequest(first))
+			if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
+				t.Errorf("acquire: %+v, %v; want the record in progress", res, err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	statements, _ := statementCounter.take(table)
+	t.Logf("%d acquires of one key in %d statements", flood, len(statements))
+	if len(statements) > flood/10 {
+		t.Errorf("%d acquires of one key took %d statements: one each", flood, len(statements))
 	}
 }

@@ -68,7 +68,7 @@ type PostgresStore struct {
 	busy     func() bool
 	drainMax time.Duration
 	// The batchers of the request path's statements (pgbatch.go).
-	acquires                      *batcher[AcquireRequest, AcquireResult]
+	acquires                      *batcher[queuedAcquire, AcquireResult]
 	completes, releases, renewals *ownedBatcher
 	// listener and channel are set by EnableWaiting (pglisten.go).
 	listener *pgListener
@@ -233,10 +233,11 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	s.poolKey = key
 	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
 	s.sql = newPostgresSQL(s.table.quoted())
-	s.acquires = &batcher[AcquireRequest, AcquireResult]{
-		lanes: min(batchLanes, acquireSlots(s.MaxConns)),
-		key:   func(r AcquireRequest) RecordKey { return r.Key },
-		send:  s.sendAcquires,
+	s.acquires = &batcher[queuedAcquire, AcquireResult]{
+		lanes:  min(batchLanes, acquireSlots(s.MaxConns)),
+		key:    func(r queuedAcquire) RecordKey { return r.Key },
+		send:   s.sendAcquires,
+		follow: followAcquire,
 	}
 	s.completes = s.newOwnedBatcher(opComplete, &s.sql.complete)
 	s.releases = s.newOwnedBatcher(opRelease, &s.sql.release)
@@ -620,7 +621,7 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 	// committed there, before its connection was lost.
 	sent := false
 	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
-		res, err := s.acquires.do(ctx, req)
+		res, err := s.acquires.do(ctx, queuedAcquire{AcquireRequest: req, sent: sent})
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			if contended++; contended < acquireAttempts {
@@ -690,6 +691,33 @@ func connectionLost(err error) bool {
 		(errors.As(err, &netErr) && !netErr.Timeout())
 }
 
+// queuedAcquire is an acquire as its batcher queues it. sent: an earlier
+// attempt of the same acquire may have committed.
+type queuedAcquire struct {
+	AcquireRequest
+	sent bool
+}
+
+// followAcquire gives c, an acquire of the key that lead acquired in the
+// batch before it, lead's outcome where the statement would have given
+// it the same: a completed record, live (an expired one would have been
+// claimed), whatever c's request; a record in progress, to a request of
+// the same fingerprint, which takes a stale lock over exactly when lead
+// would have. Not to an acquire whose earlier attempt may have created
+// the record in progress: that record is its own. Anything else, a
+// failed statement included, c sends itself.
+func followAcquire(lead, c *batchCall[queuedAcquire, AcquireResult]) bool {
+	if lead.err != nil || c.req.sent || lead.res.Outcome != OutcomeExisting || lead.res.Record == nil {
+		return false
+	}
+	if lead.res.Record.Status != StatusCompleted && lead.req.Fingerprint != c.req.Fingerprint {
+		return false
+	}
+	rec := *lead.res.Record
+	c.res = AcquireResult{Outcome: OutcomeExisting, Record: &rec}
+	return true
+}
+
 // sendAcquires runs the acquire statement for a batch of requests.
 //
 // Its statements take at most acquireSlots of the pool's connections at
@@ -702,7 +730,7 @@ func connectionLost(err error) bool {
 // serve the owners first (whose statements have batchers of their own):
 // under overload, new requests are slowed or refused (503, after the
 // store timeout), never the ones in flight.
-func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[AcquireRequest, AcquireResult]) {
+func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcquire, AcquireResult]) {
 	fail := func(err error) {
 		for _, c := range calls {
 			c.err = err
