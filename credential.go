@@ -111,18 +111,26 @@ func checkCredentialPlaceholder(s string) error {
 // checkKeyHeader refuses a key header that carries a credential: keys
 // are stored and logged as they are.
 func checkKeyHeader(keyHeader, credentialHeader, credential string) error {
-	if credential != "" {
-		// The header that the credential placeholder reads, if any.
-		credentialHeader = ""
-		if name, ok := strings.CutPrefix(credential[1:len(credential)-1], "http.request.header."); ok {
-			credentialHeader = name
-		}
-	}
 	switch http.CanonicalHeaderKey(keyHeader) {
-	case http.CanonicalHeaderKey(credentialHeader), "Authorization", "Proxy-Authorization", "Cookie":
+	case http.CanonicalHeaderKey(credentialSource(credentialHeader, credential)), "Authorization", "Proxy-Authorization", "Cookie":
 		return fmt.Errorf("key_header %q carries credentials: keys are stored and logged as they are, so it must be a header of its own, such as Idempotency-Key", keyHeader)
 	}
 	return nil
+}
+
+// credentialSource is the request header that a handler reads its
+// credential from: credentialHeader, or the header that a credential
+// placeholder reads, if any ("" for one that reads no header, such as
+// {http.auth.user.id}).
+func credentialSource(credentialHeader, credential string) string {
+	if credential == "" {
+		return credentialHeader
+	}
+	name, ok := strings.CutPrefix(strings.TrimSuffix(strings.TrimPrefix(credential, "{"), "}"), "http.request.header.")
+	if !ok {
+		return ""
+	}
+	return name
 }
 
 // hasPlaceholder reports whether s holds a {placeholder}, as Caddy's

@@ -309,7 +309,7 @@ type execution struct {
 //	X-Test-Sleep: <duration>  wait before answering (ends early, Cancelled, if the request context ends)
 //	X-Test-Status: <code>     answer with this status (default 201)
 //	X-Test-Extra: 1           also send Set-Cookie (twice), Authorization and X-Secret
-//	X-Test-Credentials: 1     also send Cookie, Authentication-Info,
+//	X-Test-Credentials: 1     also send Cookie, Set-Cookie2, Authentication-Info,
 //	                          Proxy-Authentication-Info and X-Api-Key
 //	X-Test-Size: <n>          answer with an n-byte body (text) instead of the JSON echo
 //	X-Test-Chunked: 1         do not send Content-Length (stream the body)
@@ -437,6 +437,7 @@ func (u *upstream) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	if r.Header.Get("X-Test-Credentials") != "" {
 		h.Set("Cookie", "session=echoed")
+		h.Set("Set-Cookie2", "legacy=1")
 		h.Set("Authentication-Info", `nextnonce="upstream-nonce"`)
 		h.Set("Proxy-Authentication-Info", `nextnonce="proxy-nonce"`)
 		h.Set("X-Api-Key", "echoed-api-key")

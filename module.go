@@ -57,9 +57,10 @@ const (
 // alwaysExcluded are the response headers never stored nor replayed:
 // cookies and credentials belong to the first response only, and
 // hop-by-hop headers describe the first connection, not the response.
-// The credential header that a handler reads is excluded too (Provision).
+// The header that a handler reads its credential from is excluded too
+// (Provision).
 var alwaysExcluded = []string{
-	"Set-Cookie", "Cookie", "Authorization", "Proxy-Authorization",
+	"Set-Cookie", "Set-Cookie2", "Cookie", "Authorization", "Proxy-Authorization",
 	"Authentication-Info", "Proxy-Authentication-Info",
 	"Connection", "Keep-Alive", "Transfer-Encoding", "Te", "Trailer",
 	"Upgrade", "Proxy-Authenticate",
@@ -131,9 +132,10 @@ type Handler struct {
 	MaxResponseBody int64 `json:"max_response_body,omitempty"`
 
 	// Response headers not stored nor replayed, in addition to
-	// Set-Cookie, Cookie, Authorization, Proxy-Authorization,
-	// Authentication-Info, Proxy-Authentication-Info, the credential
-	// header and hop-by-hop headers.
+	// Set-Cookie, Set-Cookie2, Cookie, Authorization,
+	// Proxy-Authorization, Authentication-Info,
+	// Proxy-Authentication-Info, the header the credential is read from
+	// and hop-by-hop headers.
 	ExcludeHeaders []string `json:"exclude_headers,omitempty"`
 
 	// How often this instance deletes expired records. 0 disables
@@ -250,7 +252,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.methods[strings.ToUpper(m)] = struct{}{}
 	}
 	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
-	for _, name := range append(append([]string{h.CredentialHeader}, alwaysExcluded...), h.ExcludeHeaders...) {
+	for _, name := range append(append([]string{h.CredentialHeader, credentialSource(h.CredentialHeader, h.Credential)}, alwaysExcluded...), h.ExcludeHeaders...) {
+		if name == "" {
+			continue
+		}
 		h.excluded[http.CanonicalHeaderKey(name)] = struct{}{}
 	}
 

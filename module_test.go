@@ -1102,20 +1102,28 @@ func TestExcludedHeadersAreNotReplayed(t *testing.T) {
 }
 
 // Credentials that an upstream sends back are not stored nor replayed:
-// the credential header the handler reads (here X-Api-Key), Cookie, and
-// the Authentication-Info headers (RFC 7615), as with Authorization.
+// the header the handler reads its credential from (here X-Api-Key, as
+// credential_header or through a credential placeholder), Cookie,
+// Set-Cookie2, and the Authentication-Info headers (RFC 7615), as with
+// Authorization.
 // They would otherwise sit in the store, the admin API's records and the
 // CLI's output. Catches a never-stored list that knew only
 // Authorization as a credential.
 func TestCredentialHeadersAreNotReplayed(t *testing.T) {
+	for _, directive := range []string{"credential_header X-Api-Key", "credential {http.request.header.x-api-key}"} {
+		t.Run(directive, func(t *testing.T) { testCredentialHeadersAreNotReplayed(t, directive) })
+	}
+}
+
+func testCredentialHeadersAreNotReplayed(t *testing.T, directive string) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
-		s := protectedSite(t, sb, up.Addr(), "credential_header X-Api-Key")
+		s := protectedSite(t, sb, up.Addr(), directive)
 		c := call{Key: newKey(), Body: payBody(), Cred: "tenant-a-key", CredHeader: "X-Api-Key",
 			Header: map[string]string{"X-Test-Credentials": "1"}}
 		first := s.Do(t, c)
 		wantExecuted(t, first, http.StatusCreated)
-		credentials := []string{"X-Api-Key", "Cookie", "Authentication-Info", "Proxy-Authentication-Info"}
+		credentials := []string{"X-Api-Key", "Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"}
 		for _, h := range credentials {
 			if first.Header.Get(h) == "" {
 				t.Errorf("the first caller must get the upstream's %s", h)
