@@ -112,20 +112,16 @@ func (f *tcpForwarder) relay(client net.Conn) {
 	}
 	defer f.untrack(client, server)
 	done := make(chan struct{}, 2)
-	pipe := func(dst, src net.Conn, mutable bool) {
-		if mutable {
-			_, _ = io.Copy(dst, mutedReader{src, &f.muted})
-		} else {
-			_, _ = io.Copy(dst, src)
-		}
+	pipe := func(dst, src net.Conn, from io.Reader) {
+		_, _ = io.Copy(dst, from)
 		// Either side ending ends both: a half-open relay would hide a
 		// dead peer from the other.
 		reset(dst)
 		reset(src)
 		done <- struct{}{}
 	}
-	go pipe(server, client, false)
-	go pipe(client, server, true)
+	go pipe(server, client, client)
+	go pipe(client, server, mutedReader{server, &f.muted})
 	<-done
 	<-done
 }
