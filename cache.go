@@ -202,7 +202,7 @@ func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken)
 }
 
 // get returns a copy of the live entry of key, most recently used from
-// now on, or nil.
+// now on, with its lifetime left, or nil.
 func (c *replayCache) get(key RecordKey, now time.Time) *Record {
 	c.mu.Lock()
 	e := c.entries[key]
@@ -219,6 +219,9 @@ func (c *replayCache) get(key RecordKey, now time.Time) *Record {
 	c.pushFront(e)
 	rec := e.rec
 	c.mu.Unlock()
+	// What is left of the entry, which ends no later than the record:
+	// the record's TTL as of this answer, as a store's answer has it.
+	rec.TTL = e.deadline.Sub(now)
 	return &rec
 }
 

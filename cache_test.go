@@ -79,6 +79,10 @@ func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, re
 	if rec.Fingerprint != req.Fingerprint || rec.Method != req.Method || rec.Path != req.Path {
 		t.Errorf("cached record describes another request: %+v", rec)
 	}
+	// The handler replays no record without a lifetime left.
+	if rec.TTL <= 0 || rec.TTL > req.Retention {
+		t.Errorf("replay of %q has %v to live, want a part of the retention, %v", req.Key.Key, rec.TTL, req.Retention)
+	}
 }
 
 func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req AcquireRequest, want Outcome) *Record {

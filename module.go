@@ -646,6 +646,15 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 			zap.String("method", r.Method), zap.String("path", clientPath(r)))
 		return append(f, extra...)
 	}
+	// An expired record is absent. A store never answers one, but one
+	// that raced the record's re-execution would: the request then gets
+	// the answer of the record in progress, never one of the expired
+	// record's (a replay, a mismatch). TTL, unlike ExpiresAt, needs no
+	// clocks to agree.
+	if rec.TTL <= 0 {
+		h.logger.Info("idempotency.in_progress", fields(zap.Bool("expired", true))...)
+		return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
+	}
 	if rec.Fingerprint != fp {
 		h.logger.Info("idempotency.mismatch", fields(
 			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))...)

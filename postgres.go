@@ -404,10 +404,15 @@ func acquireSQL(table string) statement {
 	// an expired record (treated as absent) or on a stale lock held
 	// for the same request; Postgres runs it on the latest committed
 	// row version, under the row lock, so exactly one concurrent
-	// caller wins. Whoever claims nothing gets the row it looked up.
-	// A request whose row neither existed in the snapshot nor was
-	// claimed (another transaction inserted it after the snapshot
-	// was taken) gets -1 and tries again.
+	// caller wins. Whoever claims nothing gets the row it looked up,
+	// if that row is live or in progress. A request whose row neither
+	// existed in the snapshot nor was claimed (another transaction
+	// inserted it after the snapshot was taken) gets -1 and tries
+	// again; so does one whose snapshot's row was an expired record
+	// that it could not claim: another transaction took the record
+	// after the snapshot, to execute it again, and the expired answer
+	// must never be replayed, not even to a request that raced that
+	// re-execution.
 	//
 	// The lease is the record's: its owner sets locked_until from
 	// its own lock timeout, and a takeover waits for it whatever the
@@ -479,7 +484,7 @@ SELECT i.n, CASE
 		WHEN c.fresh THEN %[2]d
 		WHEN NOT c.fresh THEN %[3]d
 		WHEN f.mine THEN %[2]d
-		WHEN f.n IS NOT NULL THEN %[4]d
+		WHEN f.live OR f.status = 'in_progress' THEN %[4]d
 		ELSE -1
 	END,
 	%[8]s
@@ -607,10 +612,10 @@ func (st statement) forRows(rows int, args []any) (string, []any) {
 }
 
 // acquireAttempts bounds the retries of Acquire's statement. It returns
-// no row only when another transaction inserted the key after the
-// statement's snapshot was taken: the conflict makes the INSERT see that
-// row, but the snapshot hides it from the SELECT. The next attempt's
-// snapshot sees it.
+// no row only when another transaction inserted the key, or took its
+// expired record, after the statement's snapshot was taken: the conflict
+// makes the INSERT see that row, but the snapshot hides it from the
+// SELECT. The next attempt's snapshot sees it.
 const acquireAttempts = 5
 
 // Acquire implements Store. The acquires of concurrent requests share
@@ -700,8 +705,8 @@ type queuedAcquire struct {
 
 // followAcquire gives c, an acquire of the key that lead acquired in the
 // batch before it, lead's outcome where the statement would have given
-// it the same: a completed record, live (an expired one would have been
-// claimed), whatever c's request; a record in progress, to a request of
+// it the same: a completed record, live (the statement never answers an
+// expired one), whatever c's request; a record in progress, to a request of
 // the same fingerprint, which takes a stale lock over exactly when lead
 // would have. Not to an acquire whose earlier attempt may have created
 // the record in progress: that record is its own. Anything else, a
