@@ -98,6 +98,9 @@ type pendingRecord struct {
 	// completes: the local time of the Acquire plus the retention.
 	deadline time.Time
 	created  time.Time
+	// completing is when the first attempt to complete the record was
+	// sent; zero before.
+	completing time.Time
 }
 
 // newReplayCache wraps store in a cache of capacity bytes.
@@ -147,10 +150,7 @@ func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 // Complete implements Store, and caches the response of a record this
 // instance created.
 func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
-	// The store makes the record expire retention after its own now,
-	// which comes after this one.
-	sent := c.now()
-	deadline := sent.Add(retention)
+	c.sending(token, c.now())
 	err := c.Store.Complete(ctx, key, token, resp, retention)
 	if err != nil && !errors.Is(err, ErrLockLost) {
 		// The handler tries again: keep what a success will need.
@@ -160,6 +160,11 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 	if err != nil || !ok || p.key != key || resp == nil {
 		return err
 	}
+	// The store makes the record expire retention after its own now,
+	// at the attempt that completed it: this one, or an earlier one
+	// whose reply was lost, which this one then found done. Either came
+	// after the first attempt was sent.
+	deadline := p.completing.Add(retention)
 	rec := &Record{
 		Status:      StatusCompleted,
 		Fingerprint: p.fingerprint,
@@ -306,6 +311,17 @@ func (c *replayCache) remember(req AcquireRequest, now time.Time) {
 				delete(c.pending, token)
 			}
 		}
+	}
+}
+
+// sending notes that an attempt to complete the record of token is sent
+// at now, unless an earlier one was.
+func (c *replayCache) sending(token LockToken, now time.Time) {
+	c.pmu.Lock()
+	defer c.pmu.Unlock()
+	if p, ok := c.pending[token]; ok && p.completing.IsZero() {
+		p.completing = now
+		c.pending[token] = p
 	}
 }
 

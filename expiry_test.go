@@ -142,3 +142,67 @@ func TestHandlerNeverReplaysAnExpiredRecord(t *testing.T) {
 		t.Errorf("%d replays logged", n)
 	}
 }
+
+// A completion whose reply is lost is repeated, and the repeat finds the
+// record completed by the first attempt. The replay cache must not keep
+// the response past the record's expiry, which the first attempt's
+// commit set: once the database has expired the record, a retry through
+// the cache executes again instead of getting the expired answer.
+func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
+	t.Parallel()
+	dsn := testDSN(t)
+	f := newTCPForwarder(t, postgresAddr(t, dsn))
+	table := freshTable(t)
+	// One connection, on which a first completion prepares the
+	// statement: a muted connection cannot prepare, only execute.
+	s := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, dsn, f), Table: table, MaxConns: 1})
+	c := newReplayCache(s, 1<<20)
+	prime := testAcquireRequest("cred", "prepares-the-statement", "body")
+	mustAcquire(t, c, prime, OutcomeCreated)
+	if err := c.Complete(context.Background(), prime.Key, prime.Token, &Response{Status: 201, Replayable: true}, prime.Retention); err != nil {
+		t.Fatal(err)
+	}
+	req := testAcquireRequest("cred", "lost-completion-reply", "body")
+	req.LockTimeout, req.Retention = 2*time.Second, 3*time.Second
+	mustAcquire(t, c, req, OutcomeCreated)
+
+	ctx, db, done := pgOpen(t, dsn)
+	defer done()
+	query := func(sql string) (v bool) {
+		t.Helper()
+		if err := db.QueryRow(ctx, sql, req.Key.Key).Scan(&v); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+		return v
+	}
+	completed := "SELECT status = 'completed' FROM " + table + " WHERE key = $1"
+
+	// The first attempt commits; its reply never comes back.
+	f.Mute()
+	attempt, cancel := context.WithTimeout(context.Background(), time.Second)
+	resp := &Response{Status: 201, Body: []byte("the first answer"), Replayable: true}
+	err := c.Complete(attempt, req.Key, req.Token, resp, req.Retention)
+	cancel()
+	f.Unmute()
+	if err == nil {
+		t.Fatal("the first completion succeeded with its reply lost")
+	}
+	if !query(completed) {
+		t.Fatal("the first completion did not commit")
+	}
+	// The handler tries again: the second attempt finds it done.
+	if err := c.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
+		t.Fatalf("second completion: %v", err)
+	}
+
+	waitFor(t, 2*req.Retention, "the record to expire", func() bool {
+		return query("SELECT expires_at <= now() FROM " + table + " WHERE key = $1")
+	})
+	res, err := c.Acquire(context.Background(), retryRequest(req))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Outcome != OutcomeCreated {
+		t.Errorf("retry after the record expired: outcome %d, record %+v; want it to execute again", res.Outcome, res.Record)
+	}
+}

@@ -35,7 +35,8 @@ type Store interface {
 	// ErrLockLost if the caller no longer owns the record (another
 	// request took it over), and an error wrapping ErrUnstorable if the
 	// store can never take resp. Repeated by the token that completed
-	// the record (its reply was lost), it returns nil.
+	// the record (its reply was lost), it returns nil and changes
+	// nothing: the record expires as the completion made it.
 	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error
 
 	// Release deletes the in_progress record owned by token, so that a
