@@ -69,14 +69,13 @@ var runningStores struct {
 // registerStore makes h's store reachable through the admin API until
 // h's config is unloaded (Cleanup).
 func (h *Handler) registerStore(store any) {
-	u := storeUser{h: h}
+	u := storeUser{h: h, group: h.records}
 	u.cache, _ = h.store.(*replayCache)
 	switch s := store.(type) {
 	case *MemoryStore:
-		u.store, u.group, u.name, u.backend = s, "memory", "memory", "memory"
+		u.store, u.name, u.backend = s, "memory", "memory"
 	case *PostgresStore:
 		u.store, u.backend, u.table = s, "postgres", s.table.String()
-		u.group = s.poolKey.dsn + "\x00" + u.table
 		u.name = "postgres:" + u.table
 		u.database = describeDSN(s.poolKey.dsn)
 	default:

@@ -243,7 +243,7 @@ func (h *Handler) provisionCredentials(ctx context.Context, store any) error {
 // neither, an empty key means a request without one, under `optional`.
 // The problems are the package's: finish words them for the handler.
 func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk RecordKey, p *problem, err error) {
-	keyValues := r.Header.Values(h.KeyHeader)
+	keyValues := keyValues(r.Header, h.KeyHeader)
 	if len(keyValues) == 0 {
 		if h.Optional {
 			return "", rk, nil, nil

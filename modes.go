@@ -97,7 +97,7 @@ func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.R
 		zap.String("method", r.Method), zap.String("path", clientPath(r)))
 	repl.Set("http.idempotency.result", resultFailOpen)
 	restoreBody(r, body, nil)
-	return next.ServeHTTP(w, markProtected(r))
+	return next.ServeHTTP(w, r)
 }
 
 // serveShadow is ServeHTTP in shadow mode. Every step runs as in
@@ -105,13 +105,16 @@ func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.R
 // usual, so that the records are those enforcement would start from.
 // Where ServeHTTP would refuse a request (a replay, a conflict, a client
 // error, a store error), the request is executed anyway, unrecorded, and
-// what would have happened is logged and set as the result.
-func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler) error {
+// what would have happened is logged and set as the result. It starts
+// from what identify made of the request.
+func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler,
+	key string, rk RecordKey, idProb *problem, err error) error {
 	// pass executes the request without recording it; a body that was
-	// read must have been restored.
+	// read must have been restored. It owns no record, so handlers
+	// inside this one enforce as they would alone (nesting.go).
 	pass := func(result string) error {
 		repl.Set("http.idempotency.result", shadowPrefix+result)
-		return next.ServeHTTP(w, markProtected(r))
+		return next.ServeHTTP(w, r)
 	}
 	wouldReject := func(key string, p problem) {
 		if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
@@ -120,7 +123,6 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		}
 	}
 
-	key, rk, idProb, err := h.identify(r, repl)
 	switch {
 	case err != nil:
 		h.storeError("credential_secret", key, "", r, err)

@@ -182,6 +182,7 @@ type Handler struct {
 	OnStoreError string `json:"on_store_error,omitempty"`
 
 	store     Store
+	records   string // the name of the records the store holds (recordsOf)
 	waiter    Waiter
 	methods   map[string]struct{}
 	excluded  map[string]struct{}
@@ -267,6 +268,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
 	h.store = mod.(Store)
+	h.records = recordsOf(mod)
 	if err := h.provisionCredentials(ctx, mod); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}
@@ -461,24 +463,26 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// Methods compare case-insensitively: frameworks run `post` as POST.
 	// ToUpper returns an upper-case method as it is, without allocating.
 	method := strings.ToUpper(r.Method)
-	if _, protected := h.methods[method]; !protected || r.Context().Value(protectedCtxKey{}) != nil {
-		// A request that an idempotency handler on its way here already
-		// protects passes through: that handler re-filed the key header
-		// (hideKeyFromTransport), so this one would answer it 400, and
-		// the outer one store that answer for every retry.
+	if _, protected := h.methods[method]; !protected {
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	// Both placeholders are set on every protected request, so that an
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
-	defer h.countResult(repl)
-	if h.Shadow {
-		return h.serveShadow(w, r, repl, next)
-	}
 
 	// 1. Key, and 2. credential, hashed at once.
 	key, rk, idProb, err := h.identify(r, repl)
+	if err == nil && idProb == nil && key != "" && ownedOnTheWay(r.Context(), h.records, rk) {
+		// A handler around this one owns this very record and executes
+		// the request under it (nesting.go): it stores the response.
+		// Acquiring it again would find it in progress and answer 409.
+		return next.ServeHTTP(w, r)
+	}
+	defer h.countResult(repl)
+	if h.Shadow {
+		return h.serveShadow(w, r, repl, next, key, rk, idProb, err)
+	}
 	switch {
 	case err != nil:
 		h.storeError("credential_secret", key, "", r, err)
@@ -488,7 +492,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				zap.String("method", r.Method), zap.String("path", clientPath(r)))
 			repl.Set("http.idempotency.result", resultFailOpen)
 			hideKeyFromTransport(r.Header)
-			return next.ServeHTTP(w, markProtected(r))
+			return next.ServeHTTP(w, r)
 		}
 		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	case idProb != nil:
@@ -764,15 +768,15 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// response, not a half-done request. The work is bounded instead by
 	// ExecutionTimeout, counted from the disconnect.
 	//
-	// The context also marks the request as protected (for a nested
-	// handler), and carries a trace that notes whether any attempt got a
-	// connection to an upstream: reverse_proxy sends its requests, and
-	// every lb_retries attempt, on the request's context, and Go's
-	// transport (HTTP/1 and HTTP/2) reports a connection before it
-	// writes anything to it.
+	// The context also notes the record that the request executes under
+	// (for a handler inside this one, nesting.go), and carries a trace
+	// that notes whether any attempt got a connection to an upstream:
+	// reverse_proxy sends its requests, and every lb_retries attempt, on
+	// the request's context, and Go's transport (HTTP/1 and HTTP/2)
+	// reports a connection before it writes anything to it.
 	trace := newReachTrace()
 	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
-		context.WithValue(context.WithoutCancel(r.Context()), protectedCtxKey{}, true), &trace.trace))
+		withOwned(context.WithoutCancel(r.Context()), h.records, rk), &trace.trace))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -1133,7 +1137,7 @@ func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
 // this handler exists to execute once. Field names are case-insensitive,
 // so the upstream still receives the header.
 func hideKeyFromTransport(header http.Header) {
-	for _, name := range [...]string{"Idempotency-Key", "X-Idempotency-Key"} {
+	for _, name := range transportKeyHeaders {
 		if values, ok := header[name]; ok {
 			delete(header, name)
 			lower := strings.ToLower(name)
@@ -1142,16 +1146,22 @@ func hideKeyFromTransport(header http.Header) {
 	}
 }
 
-// protectedCtxKey marks the context of a request that an idempotency
-// handler protects.
-type protectedCtxKey struct{}
+// transportKeyHeaders are the key headers that Go's http.Transport reads.
+var transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
 
-// markProtected returns r marked as protected, for a request that this
-// handler hands on without executing it (fail_open, shadow): its key
-// header may be re-filed, so an inner handler must pass it through too.
-// execute marks its own context.
-func markProtected(r *http.Request) *http.Request {
-	return r.WithContext(context.WithValue(r.Context(), protectedCtxKey{}, true))
+// keyValues returns the values of the key header name, with those that a
+// handler around this one re-filed (hideKeyFromTransport): a handler
+// inside another reads the key that the outer one hid from the
+// transport. Go's servers file every header under its canonical name,
+// so a lower-case one is always re-filed.
+func keyValues(header http.Header, name string) []string {
+	values := header.Values(name)
+	for _, hidden := range transportKeyHeaders {
+		if http.CanonicalHeaderKey(name) == hidden {
+			return append(values[:len(values):len(values)], header[strings.ToLower(hidden)]...)
+		}
+	}
+	return values
 }
 
 // Interface guards

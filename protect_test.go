@@ -74,8 +74,10 @@ func provisionAndValidate(t *testing.T, h *Handler) error {
 // An idempotency handler inside a route of a site that has one already:
 // the outer one re-files the key header, so the inner one, protecting
 // too, answered 400 (key missing), which the outer one stored and
-// replayed for good; the upstream never ran. The inner one must pass
-// the request through.
+// replayed for good; the upstream never ran. The inner one reads the
+// re-filed header: with the same settings it finds the record the outer
+// one executes under and passes the request through; with a key header
+// of its own it enforces by that key too (nesting_test.go).
 func TestNestedHandlerPassesThrough(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		for _, inner := range []string{"", "key_header X-Request-Key"} {
@@ -96,6 +98,9 @@ func TestNestedHandlerPassesThrough(t *testing.T) {
 }
 `, port, sb.Block(), inner, up.Addr()))
 				c := call{Key: newKey(), Body: payBody()}
+				if inner != "" {
+					c.Header = map[string]string{"X-Request-Key": newKey()}
+				}
 				first := s.Do(t, c)
 				wantExecuted(t, first, http.StatusCreated)
 				wantReplayOf(t, s.Do(t, c), first)

@@ -1,0 +1,62 @@
+package idempotency
+
+// Several idempotency handlers on one request: nested (one on the site,
+// one in a route), or at one level with overlapping matchers, which
+// Caddy orders by path, not as written. Each enforces by its own key, as
+// it would alone, with one exception: a handler stands down for the very
+// record that a handler on the request's way owns and is executing (same
+// records, same scope, same key), which it would otherwise find in
+// progress and answer 409. A handler that does not enforce (shadow
+// passing a request through, fail_open, optional without a key) owns
+// nothing, so it makes none stand down. docs/guarantees.md states the
+// rule for users.
+
+import (
+	"context"
+	"fmt"
+)
+
+// recordsOf names the records that a store module holds: handlers whose
+// stores have the same name read and write the same records. The admin
+// API groups handlers by it too.
+func recordsOf(store any) string {
+	switch s := store.(type) {
+	case *MemoryStore:
+		return memoryPoolKey
+	case *PostgresStore:
+		return s.poolKey.dsn + "\x00" + s.table.String()
+	}
+	// A store of another module: its own records, as far as this
+	// package can tell.
+	return fmt.Sprintf("%T %p", store, store)
+}
+
+// ownedCtxKey is the context key of the records that the handlers on a
+// request's way own while it executes: an *ownedRecord.
+type ownedCtxKey struct{}
+
+// ownedRecord is one record owned by a handler on a request's way, and
+// those of the handlers around it.
+type ownedRecord struct {
+	records string
+	key     RecordKey
+	outer   *ownedRecord
+}
+
+// withOwned returns ctx noting that the request executes under the
+// record key of records.
+func withOwned(ctx context.Context, records string, key RecordKey) context.Context {
+	outer, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord)
+	return context.WithValue(ctx, ownedCtxKey{}, &ownedRecord{records: records, key: key, outer: outer})
+}
+
+// ownedOnTheWay reports whether a handler that the request passed owns
+// the record key of records and executes the request under it.
+func ownedOnTheWay(ctx context.Context, records string, key RecordKey) bool {
+	for o, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord); o != nil; o = o.outer {
+		if o.records == records && o.key == key {
+			return true
+		}
+	}
+	return false
+}
