@@ -817,6 +817,15 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// its body or its response's copies, not both.
 	r.Body = http.NoBody
 
+	if refusedWithin(repl) && !trace.reached.Load() {
+		// Nothing ran: the key is released, and the answer of the handler
+		// that refused stays the result, since the client got it.
+		ls.stop()
+		if !h.release(rk, token, key, credID, r, errRefusedWithin) {
+			repl.Set("http.idempotency.result", h.result(resultStoreError))
+		}
+		return err
+	}
 	if err != nil && !rec.wroteHeader {
 		_, proxied := repl.Get(upstreamPlaceholder)
 		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {

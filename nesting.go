@@ -13,7 +13,10 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // recordsOf names the records that a store module holds: handlers whose
@@ -57,6 +60,23 @@ func ownedOnTheWay(ctx context.Context, records string, key RecordKey) bool {
 		if o.records == records && o.key == key {
 			return true
 		}
+	}
+	return false
+}
+
+// errRefusedWithin is the cause logged when a handler releases its
+// record because a handler inside it refused the request.
+var errRefusedWithin = errors.New("an idempotency handler inside this one answered the request without executing it")
+
+// refusedWithin reports whether a handler inside this one, which set
+// {http.idempotency.result} last, answered the request itself without
+// executing it (finish): a 409 in progress, a 503 or a 400 is no answer
+// to store for the retries of this handler's key, since nothing ran.
+// A replay is an answer: the request ran once, under the other key.
+func refusedWithin(repl *caddy.Replacer) bool {
+	switch result, _ := repl.GetString("http.idempotency.result"); result {
+	case resultMismatch, resultInProgress, resultRejected, resultStoreError:
+		return true
 	}
 	return false
 }

@@ -7,6 +7,7 @@ package idempotency
 // wrote.
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"strings"
@@ -161,4 +162,50 @@ func TestOverlappingHandlersEachEnforce(t *testing.T) {
 			})
 		})
 	}
+}
+
+// A handler inside another refuses a request that the outer one owns
+// (here: its key is still in progress): nothing executed, so the outer
+// one releases its record rather than store the refusal, and the retry,
+// once the first request is done, gets its response. Stored, the 409
+// would have been replayed for the outer key's whole retention.
+func TestNestedRefusalReleasesOuterRecord(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%[2]s
+		key_header X-Request-Id
+	}
+	route /pay* {
+		idempotency {
+			%[2]s
+		}
+		reverse_proxy %[3]s {
+			flush_interval -1
+		}
+	}
+}
+`, port, sb.Block(), up.Addr()))
+		key, body := newKey(), payBody()
+		held := call{Key: key, Body: body, Header: map[string]string{"X-Request-Id": newKey(), "X-Test-Gate": "g"}}
+		done := make(chan reply, 1)
+		go func() {
+			r, err := s.DoCtx(context.Background(), held)
+			if err != nil {
+				t.Errorf("held request: %v", err)
+			}
+			done <- r
+		}()
+		up.WaitStarted(t, 1)
+
+		retry := call{Key: key, Body: body, Header: map[string]string{"X-Request-Id": newKey(), "X-Test-Gate": "g"}}
+		wantProblem(t, s.Do(t, retry), http.StatusConflict)
+		up.Open("g")
+		first := <-done
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, retry), first)
+		wantCount(t, up, 1)
+	})
 }

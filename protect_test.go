@@ -77,7 +77,8 @@ func provisionAndValidate(t *testing.T, h *Handler) error {
 // replayed for good; the upstream never ran. The inner one reads the
 // re-filed header: with the same settings it finds the record the outer
 // one executes under and passes the request through; with a key header
-// of its own it enforces by that key too (nesting_test.go).
+// of its own it enforces by that key too (nesting_test.go), and a
+// request without it gets its 400, which the outer one does not store.
 func TestNestedHandlerPassesThrough(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		for _, inner := range []string{"", "key_header X-Request-Key"} {
@@ -99,6 +100,7 @@ func TestNestedHandlerPassesThrough(t *testing.T) {
 `, port, sb.Block(), inner, up.Addr()))
 				c := call{Key: newKey(), Body: payBody()}
 				if inner != "" {
+					wantProblem(t, s.Do(t, c), http.StatusBadRequest)
 					c.Header = map[string]string{"X-Request-Key": newKey()}
 				}
 				first := s.Do(t, c)
