@@ -467,6 +467,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	// A handler around this one that protects the request has set its
+	// result, and counts the request by its final result when it is done.
+	_, counted := repl.Get("http.idempotency.result")
 	// Both placeholders are set on every protected request, so that an
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
@@ -479,7 +482,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		// Acquiring it again would find it in progress and answer 409.
 		return next.ServeHTTP(w, r)
 	}
-	defer h.countResult(repl)
+	if !counted {
+		defer h.countResult(repl)
+	}
 	if h.Shadow {
 		return h.serveShadow(w, r, repl, next, key, rk, idProb, err)
 	}

@@ -209,3 +209,37 @@ func TestNestedRefusalReleasesOuterRecord(t *testing.T) {
 		wantCount(t, up, 1)
 	})
 }
+
+// A request that two handlers protect is counted once, by its final
+// result, as a request through one handler is: by the outermost one.
+// Each handler counted it.
+func TestNestedHandlersCountARequestOnce(t *testing.T) {
+	up := newUpstream(t)
+	port, admin := freeTCPPort(t), fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		shadow
+	}
+	route /pay* {
+		idempotency {
+			key_header X-Request-Id
+		}
+		idempotency
+		reverse_proxy %s
+	}
+}
+`, port, up.Addr()), admin)
+	s := newSiteClient(t, srv, port)
+	before := scrapeMetrics(t, admin)
+	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Request-Id": newKey()}}
+	wantExecuted(t, s.Do(t, c), http.StatusCreated)
+	c.Header["X-Request-Id"] = newKey()
+	s.Do(t, c)
+	after := scrapeMetrics(t, admin)
+	for result, want := range map[string]float64{"executed": 1, "replayed": 1, "shadow_executed": 0, "shadow_replayed": 0} {
+		name := "caddy_idempotency_requests_total"
+		if got := after.value(name, "result", result) - before.value(name, "result", result); got != want {
+			t.Errorf("%s{result=%q} grew by %v, want %v", name, result, got, want)
+		}
+	}
+}
