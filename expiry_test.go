@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
 )
 
 // Retries of many keys hammer their records from just before they expire
@@ -140,6 +142,26 @@ func TestHandlerNeverReplaysAnExpiredRecord(t *testing.T) {
 	}
 	if n := logs.FilterMessage("idempotency.replay").Len(); n != 0 {
 		t.Errorf("%d replays logged", n)
+	}
+}
+
+// Shadow mode takes an expired record for one in progress, as
+// enforcement does: it logs would=in_progress, never a replay. Catches
+// shadow mode deciding without enforcement's expiry check.
+func TestShadowNeverReplaysAnExpiredRecord(t *testing.T) {
+	h, _, logs := lockHandler(t, 30*time.Second)
+	h.Shadow = true
+	var calls atomic.Int32
+	if status, result := serveResult(context.Background(), h, "shadow-replay-expired", created(&calls)); status != http.StatusCreated || result != "shadow_executed" {
+		t.Fatalf("first request: %d, %q", status, result)
+	}
+	h.store = staleStore{h.store}
+	status, result := serveResult(context.Background(), h, "shadow-replay-expired", created(&calls))
+	if status != http.StatusCreated || calls.Load() != 2 || result != "shadow_in_progress" {
+		t.Errorf("retry of the expired record: status %d, result %q after %d executions, want 201, shadow_in_progress after 2", status, result, calls.Load())
+	}
+	if n := logs.FilterMessage("idempotency.shadow").FilterField(zap.String("would", resultInProgress)).Len(); n != 1 {
+		t.Errorf("%d idempotency.shadow lines with would=in_progress, want 1: %v", n, logs.All())
 	}
 }
 

@@ -78,17 +78,26 @@ func lockHandler(t *testing.T, lockTimeout time.Duration) (*Handler, *scriptedSt
 // status the client got. Memory stores share their records, so keys are
 // made unique to the test run.
 func serve(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) int {
+	status, _ := serveResult(ctx, h, key, next)
+	return status
+}
+
+// serveResult is serve, with the {http.idempotency.result} it set.
+func serveResult(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) (status int, result string) {
 	r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{"amount":1}`))
 	key += "-" + runID
 	r.Header.Set("Idempotency-Key", key)
 	r.Header.Set("Authorization", defaultCred)
 	r.Header.Set("Content-Type", "application/json")
-	r = r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, caddy.NewReplacer()))
+	repl := caddy.NewReplacer()
+	r = r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, repl))
 	w := httptest.NewRecorder()
-	if err := h.ServeHTTP(w, r, next); err != nil {
-		return -1
+	err := h.ServeHTTP(w, r, next)
+	result, _ = repl.GetString("http.idempotency.result")
+	if err != nil {
+		return -1, result
 	}
-	return w.Code
+	return w.Code, result
 }
 
 // runID tells this test binary's keys from those of earlier runs.
@@ -163,6 +172,54 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 			t.Errorf("status %d after %d executions, want one execution", got, calls.Load())
 		}
 	})
+}
+
+// Shadow mode confirms a late acquire as enforcement does, before the
+// request executes under it; where enforcement would refuse the request,
+// it passes on unrecorded, under the result enforcement would give.
+// Catches shadow mode executing on a lock that a retry may have taken
+// over, and recording its response there.
+func TestShadowLateAcquireIsConfirmed(t *testing.T) {
+	const lockTimeout = 300 * time.Millisecond
+	for _, tc := range []struct {
+		name, key string
+		renew     error
+		result    string
+	}{
+		{"lock lost meanwhile", "shadow-late-and-lost", ErrLockLost, "shadow_in_progress"},
+		{"store fails", "shadow-late-store-fails", errors.New("dial tcp 127.0.0.1:5432: connect: connection refused"), "shadow_store_error"},
+		{"still owned", "shadow-late-and-kept", nil, "shadow_executed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, s, logs := lockHandler(t, lockTimeout)
+			h.Shadow = true
+			s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
+			var renewed atomic.Int32
+			s.beforeRenew = func() error { renewed.Add(1); return tc.renew }
+			var calls atomic.Int32
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				if renewed.Load() == 0 {
+					t.Errorf("executing before the late lock was confirmed")
+				}
+				return created(&calls).ServeHTTP(w, r)
+			})
+			status, result := serveResult(context.Background(), h, tc.key, next)
+			if status != http.StatusCreated || calls.Load() != 1 {
+				t.Errorf("status %d after %d executions: shadow mode must execute every request once", status, calls.Load())
+			}
+			if result != tc.result {
+				t.Errorf("result %q, want %q", result, tc.result)
+			}
+			confirmLost := logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "confirm")).Len()
+			want := 0
+			if tc.renew == ErrLockLost {
+				want = 1
+			}
+			if confirmLost != want {
+				t.Errorf("%d idempotency.lock_lost lines for the confirmation, want %d: %v", confirmLost, want, logs.All())
+			}
+		})
+	}
 }
 
 // A renewal in flight when the request finishes races its completion:

@@ -101,12 +101,13 @@ func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.R
 }
 
 // serveShadow is ServeHTTP in shadow mode. Every step runs as in
-// ServeHTTP, and a request that owns its key is executed and recorded as
-// usual, so that the records are those enforcement would start from.
-// Where ServeHTTP would refuse a request (a replay, a conflict, a client
-// error, a store error), the request is executed anyway, unrecorded, and
-// what would have happened is logged and set as the result. It starts
-// from what identify made of the request.
+// ServeHTTP, and decides as it does (decide, confirmLate), and a request
+// that owns its key is executed and recorded as usual, so that the
+// records are those enforcement would start from. Where ServeHTTP would
+// refuse a request (a replay, a conflict, a client error, a store
+// error), the request is executed anyway, unrecorded, and what would have
+// happened is logged and set as the result. It starts from what identify
+// made of the request.
 func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler,
 	key string, rk RecordKey, idProb *problem, err error) error {
 	// pass executes the request without recording it; a body that was
@@ -153,35 +154,17 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		return pass(resultStoreError)
 	}
 	if acq.Outcome == OutcomeExisting {
-		would, extra := wouldAnswer(acq.Record, fp)
-		h.logger.Info("idempotency.shadow", append([]zap.Field{
-			zap.String("would", would),
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
-		}, extra...)...)
-		return pass(would)
+		d := h.decide(r, acq.Record, fp)
+		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
+			d.write(c, key, credID, r, zap.String("would", d.result))
+		}
+		return pass(d.result)
+	}
+	sent, refused := h.confirmLate(r, rk, token, key, credID, sent)
+	if refused != nil {
+		return pass(refused.result)
 	}
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
-}
-
-// wouldAnswer is the result that ServeHTTP gives a request whose key has
-// the existing record rec, with the fields its log line carries.
-func wouldAnswer(rec *Record, fp [32]byte) (string, []zap.Field) {
-	switch {
-	case rec.Fingerprint != fp:
-		return resultMismatch, []zap.Field{
-			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path)}
-	case rec.Status != StatusCompleted || rec.Response == nil:
-		return resultInProgress, []zap.Field{
-			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds())}
-	case !rec.Response.Replayable:
-		return resultRejected, []zap.Field{
-			zap.Int("original_status", rec.Response.Status), zap.Int64("original_size", rec.Response.BodySize)}
-	default:
-		return resultReplayed, []zap.Field{
-			zap.Int("original_status", rec.Response.Status),
-			zap.Float64("age_seconds", time.Since(rec.CreatedAt).Seconds())}
-	}
 }
 
 // restoreBody hands the request body on to the next handler after

@@ -29,6 +29,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -539,33 +540,53 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if acq.Outcome == OutcomeExisting {
 		return h.existing(w, r, repl, key, credID, fp, acq.Record)
 	}
-	// An acquire answered later than a renewal would be due holds a lock
-	// that may be about to go stale, or that a retry may already have
-	// taken over: confirm it before anything runs, since nothing that
-	// runs can be taken back. Failing that, fail closed, whatever
-	// on_store_error says: the lock would go stale under the execution.
-	if time.Since(sent) >= h.renewInterval() {
-		confirmed := time.Now()
-		switch err := h.renew(rk, token); {
-		case errors.Is(err, ErrLockLost):
-			h.logger.Warn("idempotency.lock_lost",
-				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("method", r.Method), zap.String("path", clientPath(r)),
-				zap.String("during", "confirm"))
-			return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
-		case err != nil:
-			// Nothing ran: give the key back if the store lets us, so
-			// that the retry need not wait for the lock to go stale.
-			h.storeError("renew", key, credID, r, err)
-			h.release(rk, token, key, credID, r, err)
-			return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
-		}
-		sent = confirmed
+	sent, refused := h.confirmLate(r, rk, token, key, credID, sent)
+	if refused != nil {
+		return h.finish(w, repl, refused.result, refused.prob, refused.retryAfter)
 	}
 
 	// 7–9. Execute, then complete or release.
 	restoreBody(r, body, nil)
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
+}
+
+// verdict is what a request that is not executed under its record gets:
+// the result that {http.idempotency.result} shows, and the problem that
+// enforcement answers (none for a replay). Shadow mode executes the
+// request instead, unrecorded, under the result (serveShadow).
+type verdict struct {
+	result     string
+	prob       problem
+	retryAfter int
+}
+
+// confirmLate confirms the lock of an acquire sent at sent and answered
+// later than a renewal would be due: the lock may be about to go stale,
+// or a retry may already have taken it over, and nothing that runs can
+// be taken back. It returns the time the lock is dated from, or the
+// verdict on a request that must not execute under it. That fails
+// closed, whatever on_store_error says: the lock would go stale under
+// the execution.
+func (h *Handler) confirmLate(r *http.Request, rk RecordKey, token LockToken, key, credID string, sent time.Time) (time.Time, *verdict) {
+	if time.Since(sent) < h.renewInterval() {
+		return sent, nil
+	}
+	confirmed := time.Now()
+	switch err := h.renew(rk, token); {
+	case errors.Is(err, ErrLockLost):
+		h.logger.Warn("idempotency.lock_lost",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("during", "confirm"))
+		return sent, &verdict{resultInProgress, probInProgress, h.retrySecs}
+	case err != nil:
+		// Nothing ran: give the key back if the store lets us, so that
+		// the retry need not wait for the lock to go stale.
+		h.storeError("renew", key, credID, r, err)
+		h.release(rk, token, key, credID, r, err)
+		return sent, &verdict{resultStoreError, probStoreUnavailable, h.retrySecs}
+	}
+	return confirmed, nil
 }
 
 // acquireRequest describes r to the store, under this handler's timings.
@@ -645,57 +666,96 @@ func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
 	return buf, nil
 }
 
-// existing answers a request whose key already has a live record that
-// this request does not own.
+// existing answers a request whose key already has a record that this
+// request does not own.
 func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, key, credID string, fp [32]byte, rec *Record) error {
-	fields := func(extra ...zap.Field) []zap.Field {
-		f := make([]zap.Field, 0, 4+len(extra))
-		f = append(f,
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)))
-		return append(f, extra...)
+	d := h.decide(r, rec, fp)
+	if c := h.logger.Check(zapcore.InfoLevel, d.msg); c != nil {
+		d.write(c, key, credID, r)
 	}
+	if d.result != resultReplayed {
+		if d.counts != nil {
+			d.counts.Inc()
+		}
+		return h.finish(w, repl, d.result, d.prob, d.retryAfter)
+	}
+	replayAge.Observe(d.age)
+	repl.Set("http.idempotency.result", resultReplayed)
+	h.replay(w, r, rec.Response, d.gunzip)
+	return nil
+}
+
+// decision is the verdict on a request whose key has a record that the
+// request does not own, with the line that logs it: enforcement answers
+// it (existing), shadow mode logs it and executes the request instead
+// (serveShadow).
+type decision struct {
+	verdict
+	msg string // the log line's message, at info level
+	// The line's own fields, after the request's, held as values: a
+	// replay builds no slice of fields unless its line is written.
+	extra  [2]zap.Field
+	nextra int
+	gunzip bool    // a replay: decode the stored gzip body (replayCoding)
+	age    float64 // a replay: the record's age, in seconds
+	// counts is the counter that enforcing the decision adds one to.
+	counts prometheus.Counter
+}
+
+// decide is what r, with fingerprint fp, gets for the record rec of its
+// key, which it does not own.
+func (h *Handler) decide(r *http.Request, rec *Record, fp [32]byte) decision {
 	// An expired record is absent. A store never answers one, but one
 	// that raced the record's re-execution would: the request then gets
 	// the answer of the record in progress, never one of the expired
 	// record's (a replay, a mismatch). TTL, unlike ExpiresAt, needs no
 	// clocks to agree.
 	if rec.TTL <= 0 {
-		h.logger.Info("idempotency.in_progress", fields(zap.Bool("expired", true))...)
-		return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
+		return decided(resultInProgress, probInProgress, h.retrySecs, "idempotency.in_progress", zap.Bool("expired", true))
 	}
 	if rec.Fingerprint != fp {
-		h.logger.Info("idempotency.mismatch", fields(
-			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))...)
-		return h.finish(w, repl, resultMismatch, h.mismatchProblem(), 0)
+		return decided(resultMismatch, h.mismatchProblem(), 0, "idempotency.mismatch",
+			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))
 	}
 	if rec.Status != StatusCompleted || rec.Response == nil {
-		h.logger.Info("idempotency.in_progress", fields(
-			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds()))...)
-		return h.finish(w, repl, resultInProgress, probInProgress, h.retrySecs)
+		return decided(resultInProgress, probInProgress, h.retrySecs, "idempotency.in_progress",
+			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds()))
 	}
 	resp := rec.Response
 	if !resp.Replayable {
-		notReplayable.Inc()
-		h.logger.Info("idempotency.not_replayable", fields(
-			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))...)
-		return h.finish(w, repl, resultRejected, probNotReplayable, 0)
+		d := decided(resultRejected, probNotReplayable, 0, "idempotency.not_replayable",
+			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))
+		d.counts = notReplayable
+		return d
 	}
 	gunzip, prob := replayCoding(r, resp)
 	if prob != nil {
-		h.logger.Info("idempotency.not_acceptable", fields(
-			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))...)
-		return h.finish(w, repl, resultRejected, *prob, 0)
+		return decided(resultRejected, *prob, 0, "idempotency.not_acceptable",
+			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))
 	}
 	age := time.Since(rec.CreatedAt).Seconds()
-	if c := h.logger.Check(zapcore.InfoLevel, "idempotency.replay"); c != nil {
-		c.Write(fields(zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))...)
-	}
-	replayAge.Observe(age)
-	repl.Set("http.idempotency.result", resultReplayed)
+	d := decided(resultReplayed, problem{}, 0, "idempotency.replay",
+		zap.Int("original_status", resp.Status), zap.Float64("age_seconds", age))
+	d.gunzip, d.age = gunzip, age
+	return d
+}
 
-	h.replay(w, r, resp, gunzip)
-	return nil
+// decided is a decision logged with the fields extra (two at most).
+func decided(result string, p problem, retryAfter int, msg string, extra ...zap.Field) decision {
+	d := decision{verdict: verdict{result, p, retryAfter}, msg: msg}
+	d.nextra = copy(d.extra[:], extra)
+	return d
+}
+
+// write writes d's line for the request r: the fields lead, those of the
+// request, then d's own.
+func (d *decision) write(c *zapcore.CheckedEntry, key, credID string, r *http.Request, lead ...zap.Field) {
+	f := make([]zap.Field, 0, len(lead)+4+d.nextra)
+	f = append(f, lead...)
+	f = append(f,
+		zap.String("key", key), zap.String("credential_id", credID),
+		zap.String("method", r.Method), zap.String("path", clientPath(r)))
+	c.Write(append(f, d.extra[:d.nextra]...)...)
 }
 
 // replay sends the stored response resp as the answer to r, its body

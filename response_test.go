@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -184,6 +185,61 @@ func TestReplayHonoursAcceptEncoding(t *testing.T) {
 			t.Fatalf("first /br answer: %s", first)
 		}
 		wantProblem(t, s.Do(t, call{Path: br.Path, Key: br.Key, Body: br.Body, Header: ae("gzip")}), http.StatusNotAcceptable)
+	})
+}
+
+// In shadow mode, a retry that enforcement would answer 406 (the stored
+// gzip body, to a client that accepts neither gzip nor identity) is
+// executed and logged as rejected. Catches shadow mode deciding on its
+// own copy of enforcement's rules, which lacked the 406 and said
+// shadow_replayed.
+func TestShadowWouldNotAcceptEncoding(t *testing.T) {
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	_, _ = zw.Write([]byte("the stored body"))
+	_ = zw.Close()
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		var calls atomic.Int32
+		addr := handlerUpstream(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			calls.Add(1)
+			w.Header().Set("Content-Encoding", "gzip")
+			_, _ = w.Write(gz.Bytes())
+		})
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	header >X-Idem-Result {http.idempotency.result}
+	idempotency {
+		%s
+		shadow
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), addr))
+		ae := func(v string) map[string]string { return map[string]string{"Accept-Encoding": v} }
+		c := call{Key: newKey(), Body: payBody(), Header: ae("gzip")}
+		if got := s.Do(t, c).Header.Get("X-Idem-Result"); got != "shadow_executed" {
+			t.Fatalf("first: result %q, want shadow_executed", got)
+		}
+		r := s.Do(t, call{Key: c.Key, Body: c.Body, Header: ae("identity;q=0")})
+		if got := r.Header.Get("X-Idem-Result"); got != "shadow_rejected" {
+			t.Errorf("retry refusing the stored coding: result %q, want shadow_rejected", got)
+		}
+		if r.Status != http.StatusOK || calls.Load() != 2 {
+			t.Errorf("retry: status %d after %d executions, want the upstream's 200 after 2", r.Status, calls.Load())
+		}
+		var lines int
+		for _, l := range s.moduleLogLines(t) {
+			if l["msg"] == "idempotency.shadow" {
+				lines++
+				if l["would"] != resultRejected || l["content_encoding"] == nil {
+					t.Errorf("idempotency.shadow line %v, want would=rejected with the stored content_encoding", l)
+				}
+			}
+		}
+		if lines != 1 {
+			t.Errorf("%d idempotency.shadow lines, want 1", lines)
+		}
 	})
 }
 
