@@ -165,6 +165,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 					onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
 			}
 		default:
+			if backend, ok := storeOptions[name]; ok {
+				return d.Errf("idempotency: %s belongs inside store %s { }", name, backend)
+			}
 			return d.Errf("idempotency: unrecognized subdirective %q", name)
 		}
 		if err != nil {
@@ -172,6 +175,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	return nil
+}
+
+// storeOptions are the options of the stores' blocks, by backend: one
+// written in the handler's block instead gets told where it goes.
+var storeOptions = map[string]string{
+	"dsn": "postgres", "table": "postgres", "max_conns": "postgres", "migrate": "postgres",
+	"max_entries": "memory",
 }
 
 // unmarshalStore parses `store <backend> [{ ... }]`, handing the
