@@ -102,6 +102,8 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		DSN:      env("DSN", defaultTestDSN),
 		Table:    env("TABLE", "bench_ceiling"),
 		MaxConns: int32(envInt("MAX_CONNS", max(concurrency, int(defaultMaxConns())))),
+		// As a handler without credential_secret asks.
+		tableSecret: true,
 	}
 	pctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()

@@ -56,10 +56,23 @@ func (m *MemoryStore) credentialSecret(context.Context) ([]byte, error) {
 	return memorySecret(), nil
 }
 
-// credentialSecret returns the table's secret, creating it if no
+// credentialSecret returns the table's secret, as the store read it when
+// it started.
+func (s *PostgresStore) credentialSecret(ctx context.Context) ([]byte, error) {
+	if err := s.ready(ctx); err != nil {
+		return nil, err
+	}
+	if s.start.secret == nil {
+		// Hashing under no secret would be an unkeyed hash: fail closed.
+		return nil, errors.New("postgres store: the credential secret was not read at start: no handler asked for it")
+	}
+	return s.start.secret, nil
+}
+
+// readCredentialSecret reads the table's secret, creating it if no
 // instance has yet. ON CONFLICT DO NOTHING makes instances that start
 // together agree on the first one's.
-func (s *PostgresStore) credentialSecret(ctx context.Context) ([]byte, error) {
+func (s *PostgresStore) readCredentialSecret(ctx context.Context) ([]byte, error) {
 	fresh := make([]byte, minCredentialSecret)
 	_, _ = rand.Read(fresh)
 	if _, err := s.pool.Exec(ctx, `INSERT INTO `+s.table.secretTable()+` (secret) VALUES ($1) ON CONFLICT DO NOTHING`, fresh); err != nil {
@@ -209,10 +222,11 @@ func (k *credentialKey) get(ctx context.Context) (*credentialHasher, error) {
 }
 
 // provisionCredentials sets up the hashing of credentials: under
-// credential_secret, or else under the store's default secret, read now
-// unless the store may be down (Postgres with `migrate off` starts
-// without its database), in which case the first request reads it.
-func (h *Handler) provisionCredentials(ctx context.Context, store any) error {
+// credential_secret, or else under the store's default secret, which the
+// first request gets from the store. A Postgres store reads it as it
+// starts: never at provision, which must not write to the database (the
+// secret is created there if no instance has yet).
+func (h *Handler) provisionCredentials(store any) error {
 	h.credKey = new(credentialKey)
 	if h.CredentialSecret != "" {
 		// Resolved here, never written back: the config keeps the
@@ -229,11 +243,10 @@ func (h *Handler) provisionCredentials(ctx context.Context, store any) error {
 		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", store)
 	}
 	h.credKey.load = src.credentialSecret
-	if ps, ok := store.(*PostgresStore); ok && ps.Migrate != nil && !*ps.Migrate {
-		return nil
+	if ps, ok := store.(*PostgresStore); ok {
+		ps.tableSecret = true
 	}
-	_, err := h.credKey.get(ctx)
-	return err
+	return nil
 }
 
 // identify does steps 1 and 2: it reads the key and the credential, and

@@ -214,8 +214,14 @@ func TestCredentialSecretSharedByInstances(t *testing.T) {
 	// Stores that start at once, on a table that has no secret yet.
 	table := freshTable(t)
 	stores := make([]*PostgresStore, 8)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
 	for i := range stores {
-		stores[i] = newTestPostgresStore(t, table, 4)
+		stores[i] = &PostgresStore{DSN: sb.DSN, Table: table, MaxConns: 4, tableSecret: true}
+		if err := stores[i].Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		defer stores[i].Cleanup()
 	}
 	secrets := make([][]byte, len(stores))
 	var wg sync.WaitGroup

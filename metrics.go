@@ -44,7 +44,7 @@ var (
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "store_errors_total",
-		Help:      "Failed store operations, by operation (a lost lock is not a failure).",
+		Help:      "Failed store operations, by operation (a lost lock is not a failure; startup: an attempt to migrate a store or read its secret, retried).",
 	}, []string{"operation"})
 
 	lockTakeovers = prometheus.NewCounter(prometheus.CounterOpts{
@@ -94,6 +94,10 @@ const (
 	opRenew    = "renew"
 	opPrune    = "prune"
 )
+
+// startupErrors counts the failed attempts of Postgres stores to start
+// (startup.go), from 0 so that an alert works before the first one.
+var startupErrors = storeErrors.WithLabelValues("startup")
 
 type opMetrics struct {
 	duration prometheus.Observer

@@ -270,7 +270,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.store = mod.(Store)
 	h.records = recordsOf(mod)
-	if err := h.provisionCredentials(ctx, mod); err != nil {
+	if err := h.provisionCredentials(mod); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}
 	h.words = wordProblems(h.KeyHeader, h.CredentialHeader)

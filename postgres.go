@@ -52,8 +52,11 @@ type PostgresStore struct {
 
 	// Whether to apply the embedded schema migrations at start. Turn it
 	// off when the database user may not create tables, and apply the
-	// files in migrations/ by hand. Off, Caddy also starts while the
-	// database is down, and answers 503 until it is up. Default: true.
+	// files in migrations/ by hand. Either way, Caddy starts while the
+	// database is down: the migrations and the first read of the
+	// table's credential secret are retried in the background, and the
+	// store's requests answer 503 until they have succeeded. `caddy
+	// validate` writes nothing. Default: true.
 	Migrate *bool `json:"migrate,omitempty"`
 
 	table   tableName
@@ -64,6 +67,11 @@ type PostgresStore struct {
 	cleaned  int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
 	sql      postgresSQL
 	logger   *zap.Logger
+	// start is the store's start (startup.go). tableSecret is set by a
+	// handler that hashes credentials under the table's secret, which
+	// the start then reads.
+	start       *startup
+	tableSecret bool
 	// busy and drainMax are set by the handler (keepPoolWhile).
 	busy     func() bool
 	drainMax time.Duration
@@ -145,8 +153,10 @@ func defaultMaxConns() int32 {
 	return int32(max(16, 4*runtime.GOMAXPROCS(0)))
 }
 
-// Provision resolves placeholders in the DSN, opens (or shares) the
-// connection pool and applies the migrations.
+// Provision resolves placeholders in the DSN and opens (or shares) the
+// connection pool, which connects on demand. It writes nothing: Caddy
+// provisions a config that it only validates, too. The migrations wait
+// for the config to run (startup.go).
 func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
 	// Caddy validates after provisioning; refuse a bad config before
@@ -242,18 +252,7 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	s.completes = s.newOwnedBatcher(opComplete, &s.sql.complete)
 	s.releases = s.newOwnedBatcher(opRelease, &s.sql.release)
 	s.renewals = s.newOwnedBatcher(opRenew, &s.sql.renew)
-	warnAsyncReplication(ctx, s.pool, s.logger)
-
-	if s.Migrate == nil || *s.Migrate {
-		n, err := Migrate(ctx, s.pool, s.table.String())
-		if err != nil {
-			return err
-		}
-		if n > 0 {
-			s.logger.Info("applied schema migrations", zap.String("table", s.table.String()), zap.Int("count", n))
-		}
-	}
-	return nil
+	return startStore(ctx, s)
 }
 
 // Validate checks the configuration.
@@ -274,6 +273,7 @@ func (s *PostgresStore) Cleanup() error {
 		return nil
 	}
 	s.stopWaiting()
+	s.start.stop()
 	if s.busy == nil || !s.busy() {
 		_, err := postgresPools.Delete(s.poolKey)
 		return err
@@ -621,6 +621,9 @@ const acquireAttempts = 5
 // Acquire implements Store. The acquires of concurrent requests share
 // statements (pgbatch.go); each request gets its own outcome.
 func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	if err := s.ready(ctx); err != nil {
+		return AcquireResult{}, err
+	}
 	contended, start := 0, time.Now()
 	// sent: an attempt's statement may have reached the database, and
 	// committed there, before its connection was lost.
@@ -1103,6 +1106,9 @@ func (s *PostgresStore) dropDeadConns(err error) {
 // table, on one connection for the whole run, so that among the instances
 // of a cluster one prunes and the others return at once.
 func (s *PostgresStore) Prune(ctx context.Context, batchSize int) (int64, error) {
+	if err := s.ready(ctx); err != nil {
+		return 0, err
+	}
 	n, _, err := s.prune(ctx, batchSize)
 	return n, err
 }

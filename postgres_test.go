@@ -28,8 +28,8 @@ func newTestPostgresStore(t *testing.T, table string, maxConns int32) *PostgresS
 	return provisionTestStore(t, &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns})
 }
 
-// provisionTestStore provisions s as Caddy would, and cleans it up when
-// the test ends.
+// provisionTestStore provisions s as Caddy would, waits for its start
+// (its migrations), and cleans it up when the test ends.
 func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
 	t.Helper()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
@@ -42,6 +42,9 @@ func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
 			t.Errorf("cleanup: %v", err)
 		}
 	})
+	if err := s.ready(ctx); err != nil {
+		t.Fatalf("starting: %v", err)
+	}
 	if err := s.Validate(); err != nil {
 		t.Fatalf("validating: %v", err)
 	}
@@ -788,24 +791,16 @@ func TestPostgresUnreachable(t *testing.T) {
 	off := false
 
 	for _, migrate := range []*bool{nil, &off} {
-		s := &PostgresStore{DSN: dsn, Table: "unreachable", Migrate: migrate}
+		// The pool dials lazily, and migrations wait for the store's
+		// start: requests fail closed until the database answers.
+		s := &PostgresStore{DSN: dsn, Table: "unreachable", Migrate: migrate, tableSecret: true}
 		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-		err := s.Provision(ctx)
-		if migrate == nil {
-			// Migrating needs the database: Caddy refuses the config.
-			if err == nil {
-				t.Errorf("provision with migrate on: no error")
-			}
-		} else {
-			// Without migrations the pool dials lazily; requests fail
-			// closed until the database answers.
-			if err != nil {
-				t.Fatalf("provision with migrate off: %v", err)
-			}
-			_, err := s.Acquire(context.Background(), testAcquireRequest("cred", "unreachable", ""))
-			if err == nil || errors.Is(err, ErrLockLost) {
-				t.Errorf("acquire = %v, want a store error", err)
-			}
+		if err := s.Provision(ctx); err != nil {
+			t.Fatalf("provision with migrate %v: %v", migrate, err)
+		}
+		_, err := s.Acquire(context.Background(), testAcquireRequest("cred", "unreachable", ""))
+		if err == nil || errors.Is(err, ErrLockLost) {
+			t.Errorf("acquire = %v, want a store error", err)
 		}
 		if err := s.Cleanup(); err != nil {
 			t.Error(err)

@@ -40,11 +40,11 @@ func TestPostgresRefusesForeignTable(t *testing.T) {
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	s := &PostgresStore{DSN: dsn, Table: table}
-	err := s.Provision(ctx)
-	if err == nil {
-		_ = s.Cleanup()
+	if err := s.Provision(ctx); err != nil {
+		t.Fatalf("provision: %v", err)
 	}
-	wantRefusal("provision", err)
+	wantRefusal("start", s.ready(ctx))
+	_ = s.Cleanup()
 
 	off := false
 	s = &PostgresStore{DSN: dsn, Table: table, Migrate: &off}
@@ -52,7 +52,7 @@ func TestPostgresRefusesForeignTable(t *testing.T) {
 		t.Fatalf("provision with migrate off: %v", err)
 	}
 	defer s.Cleanup()
-	_, err = s.Prune(ctx, 100)
+	_, err := s.Prune(ctx, 100)
 	wantRefusal("prune", err)
 
 	_, err = Migrate(ctx, s.pool, table)

@@ -1,0 +1,144 @@
+package idempotency
+
+import (
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// `caddy validate` provisions a config without running it: it neither
+// needs the store's database nor writes to it, so that CI can validate a
+// config without one. Catches migrations (or the secret's creation) at
+// provision.
+func TestValidateWritesNothing(t *testing.T) {
+	bin := buildCaddy(t)
+	dsn := testDSN(t)
+	table := freshTable(t)
+	unreachable := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	for _, dsn := range []string{unreachable, dsn} {
+		dir := t.TempDir()
+		path := filepath.Join(dir, "Caddyfile")
+		cfg := fmt.Sprintf(`{
+	admin off
+}
+http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			table %s
+		}
+	}
+	reverse_proxy 127.0.0.1:9
+}
+`, freeTCPPort(t), dsn, table)
+		if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command(bin, "validate", "--config", path, "--adapter", "caddyfile")
+		cmd.Env = append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+dir, "XDG_CONFIG_HOME="+dir)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("caddy validate with dsn %s: %v\n%s", dsn, err, out)
+		}
+	}
+	rows := pgQuery(t, dsn, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
+	to_regclass($3) IS NOT NULL AND EXISTS (SELECT FROM `+migrationsTable+` WHERE table_name = $4)`,
+		table, table+secretTableSuffix, migrationsTable, table)
+	if got := strings.Join(rows[0], " "); got != "false false false" {
+		t.Errorf("after caddy validate: table, secret table, migrations recorded = %s; want none", got)
+	}
+}
+
+// Caddy starts with the store's database down, and serves its other
+// sites; the protected routes answer 503 and execute nothing until the
+// database is reachable, and then work, without a reload. Catches a
+// config refused for its migrations, and a protected request executed
+// before its table and secret are ready.
+func TestStartsWithDatabaseDown(t *testing.T) {
+	for _, migrate := range []string{"on", "off"} {
+		t.Run("migrate "+migrate, func(t *testing.T) {
+			sb := postgresBackend(t)
+			if migrate == "off" {
+				// The operator's migrations, run before: the secret
+				// is still read, and created, at the store's start.
+				wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + sb.DSN}, "migrate", "--table", sb.Table), exitOK)
+			}
+			fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+			fwd.Cut()
+			up := newUpstream(t)
+			port, other := freeTCPPort(t), freeTCPPort(t)
+			admin := fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
+			start := time.Now()
+			srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			table %s
+			migrate %s
+		}
+		retry_after 1s
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	respond "other site" 200
+}
+`, port, throughForwarder(t, sb.DSN, fwd), sb.Table, migrate, up.Addr(), other), admin)
+			if took := time.Since(start); took > storeTimeout+time.Second {
+				t.Errorf("Caddy took %s to start", took)
+			}
+			s := newSiteClient(t, srv, port)
+			o := newSiteClient(t, srv, other)
+			if r := o.Do(t, call{Method: http.MethodGet, Path: "/"}); r.Status != http.StatusOK || string(r.Body) != "other site" {
+				t.Errorf("the other site: %s", r)
+			}
+			c := call{Key: newKey(), Body: payBody()}
+			for range 5 { // past a few attempts of the store's start
+				r := s.Do(t, c)
+				if r.Status != http.StatusServiceUnavailable {
+					t.Fatalf("with the database down: %s, want 503", r)
+				}
+				wantRetryAfter(t, r)
+				wantProblem(t, r, http.StatusServiceUnavailable)
+				time.Sleep(200 * time.Millisecond)
+			}
+			wantCount(t, up, 0)
+			if n := scrapeMetrics(t, admin).value("caddy_idempotency_store_errors_total", "operation", "startup"); n < 2 {
+				t.Errorf("%v failed attempts to start counted, want several", n)
+			}
+
+			fwd.Restore()
+			var first reply
+			waitFor(t, 10*time.Second, "the store's start", func() bool {
+				first = s.Do(t, c)
+				return first.Status != http.StatusServiceUnavailable
+			})
+			wantExecuted(t, first, http.StatusCreated)
+			wantReplayOf(t, s.Do(t, c), first)
+			wantCount(t, up, 1)
+			rows := pgQuery(t, sb.DSN, `SELECT count(*) FROM `+quoteIdent(sb.Table+secretTableSuffix))
+			if rows[0][0] != "1" {
+				t.Errorf("%s secret rows, want 1", rows[0][0])
+			}
+
+			// One line for the outage and one for its end, not one per
+			// attempt.
+			var down, started int
+			for _, l := range srv.moduleLogLines(t) {
+				switch msg, _ := l["msg"].(string); {
+				case strings.HasPrefix(msg, "postgres store cannot start"):
+					down++
+				case msg == "postgres store started":
+					started++
+				}
+			}
+			if down != 1 || started != 1 {
+				t.Errorf("logged the outage %d times and its end %d times, want once each", down, started)
+			}
+		})
+	}
+}
