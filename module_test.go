@@ -1266,6 +1266,39 @@ func TestPostgresSurvivesReload(t *testing.T) {
 	wantCount(t, up, 2)
 }
 
+// A reload that moves the store to another table leaves the requests in
+// flight on the store they acquired on: the one running completes its
+// record in the old table; its retry, after the reload, finds nothing in
+// the new table and executes again (README, "Credential secret").
+func TestReloadToAnotherTableInFlight(t *testing.T) {
+	dsn := testDSN(t)
+	before, after := freshTable(t), freshTable(t)
+	up := newUpstream(t)
+	block := func(table string) string {
+		return fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", dsn, table)
+	}
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: dsn, Table: before}, up.Addr())
+	gate := "g-" + randomHex(4)
+	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// The reload may close the connection: the request runs on.
+		_, _ = s.DoCtx(context.Background(), c)
+	}()
+	up.WaitStarted(t, 1)
+	reloadSite(t, s, up.Addr(), block(after))
+	up.Open(gate)
+	<-done
+	up.WaitEnded(t, 1)
+	waitFor(t, 5*time.Second, "the completion in the old table", func() bool {
+		rows := pgQuery(t, dsn, `SELECT count(*) FROM `+quoteIdent(before)+` WHERE key = $1 AND status = 'completed'`, c.Key)
+		return rows[0][0] == "1"
+	})
+	wantExecuted(t, s.Do(t, c), http.StatusCreated)
+	wantCount(t, up, 2)
+}
+
 // A JSON config, as through the admin API, with a DSN from an {env.*}
 // placeholder resolved at provision time.
 func TestJSONConfig(t *testing.T) {
