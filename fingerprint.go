@@ -131,7 +131,10 @@ func isJSONContentType(ct string) bool {
 }
 
 // fingerprintDomain versions the hashed framing: changing it changes
-// every fingerprint, which makes every stored record mismatch.
+// every fingerprint, which makes every stored record mismatch. Framing
+// that only requests which had none of it carry (trailers) is added
+// without a new version: it frames where no request of the old framing
+// has that tag, so every earlier fingerprint stays what it was.
 const fingerprintDomain = "idempotency-fingerprint-v2\x00"
 
 // requestHead is what identifies a request besides its body, as the
@@ -140,6 +143,10 @@ type requestHead struct {
 	Method, Host, Path, RawQuery string
 	// ContentType holds every Content-Type field of the request.
 	ContentType []string
+	// Trailer holds the request's trailers, complete once its body has
+	// been read to its end. They reach the upstream (reverse_proxy
+	// forwards them), so they are part of the request.
+	Trailer http.Header
 }
 
 // clientRequest returns r as the client sent it: Caddy keeps the request
@@ -169,6 +176,7 @@ func headOf(r *http.Request) requestHead {
 		Path:        orig.URL.EscapedPath(),
 		RawQuery:    orig.URL.RawQuery,
 		ContentType: r.Header.Values("Content-Type"),
+		Trailer:     r.Trailer,
 	}
 }
 
@@ -177,19 +185,23 @@ const (
 	mediaNone   byte = 'n' // no Content-Type field
 	mediaParsed byte = 'p' // one field, as mime.ParseMediaType reads it
 	mediaRaw    byte = 'r' // several fields, or one that does not parse
+	trailers    byte = 't' // the trailers, before the body's tag
 	bodyCanon   byte = 'c' // the body's canonical JSON form follows
 	bodyRaw     byte = 'b' // the body's bytes follow
 )
 
 // fingerprint identifies a request for contract step 4: SHA-256 over the
-// method, host, path, query, media type and body, where a JSON body is
-// canonicalised so that member order and whitespace do not matter.
+// method, host, path, query, media type, trailers and body, where a JSON
+// body is canonicalised so that member order and whitespace do not
+// matter.
 //
-// Every field but the body is length-prefixed and the media type and the
-// body carry tags, so no two distinct requests frame to the same bytes:
-// a body hashed raw never frames like a canonical one, and a media type
-// is a field of its own (a body means what its media type and charset
-// say, so the same bytes under another type are another request).
+// Every field but the body is length-prefixed and the media type, the
+// trailers and the body carry tags, so no two distinct requests frame to
+// the same bytes: a body hashed raw never frames like a canonical one, a
+// media type is a field of its own (a body means what its media type and
+// charset say, so the same bytes under another type are another
+// request), and a request without trailers frames as it did before
+// trailers took part.
 //
 // The hash input is streamed: a raw body is hashed in place, and a
 // canonical one as it is written, a few KiB at a time (canonFlush), so
@@ -207,6 +219,7 @@ func fingerprint(h requestHead, body []byte) [32]byte {
 		buf = appendField(buf, field)
 	}
 	buf = appendMediaType(buf, h.ContentType)
+	buf = appendTrailers(buf, h.Trailer)
 	canonical := false
 	if len(h.ContentType) == 1 && isJSONContentType(h.ContentType[0]) {
 		s.sink = s.hash
@@ -265,6 +278,36 @@ func appendMediaType(dst []byte, values []string) []byte {
 	dst = binary.BigEndian.AppendUint64(append(dst, mediaRaw), uint64(len(values)))
 	for _, v := range values {
 		dst = appendField(dst, v)
+	}
+	return dst
+}
+
+// appendTrailers appends the framed trailers, if any field has a value:
+// a trailer declared and not sent is none. Names are canonicalised, as
+// they are case-insensitive, and sorted, as their order does not count;
+// the values of a name are kept in their order, which does.
+func appendTrailers(dst []byte, trailer http.Header) []byte {
+	var names []string
+	for name, values := range trailer {
+		if len(values) > 0 {
+			names = append(names, name)
+		}
+	}
+	if len(names) == 0 {
+		return dst
+	}
+	// By canonical name, and by name as sent among those alike: only a
+	// handler's own edits could file one name under two spellings.
+	slices.SortFunc(names, func(a, b string) int {
+		return cmp.Or(strings.Compare(http.CanonicalHeaderKey(a), http.CanonicalHeaderKey(b)), strings.Compare(a, b))
+	})
+	dst = binary.BigEndian.AppendUint64(append(dst, trailers), uint64(len(names)))
+	for _, name := range names {
+		values := trailer[name]
+		dst = binary.BigEndian.AppendUint64(appendField(dst, http.CanonicalHeaderKey(name)), uint64(len(values)))
+		for _, v := range values {
+			dst = appendField(dst, v)
+		}
 	}
 	return dst
 }

@@ -3,9 +3,11 @@ package idempotency
 import (
 	"bytes"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"mime"
+	"net/http"
 	"reflect"
 	"slices"
 	"strings"
@@ -611,5 +613,65 @@ func TestPlainMediaTypeFramesAsParsed(t *testing.T) {
 		if plainMediaType(v) {
 			t.Errorf("%q: taken for plain", v)
 		}
+	}
+}
+
+// TestFingerprintTrailers: trailers take part, framed so that no two
+// distinct sets of trailers, nor trailers and body, frame alike; and a
+// request without any keeps the fingerprint it had before trailers took
+// part, so that stored records still match their retries.
+func TestFingerprintTrailers(t *testing.T) {
+	js := requestHead{Method: "POST", Host: "api.example", Path: "/v1/charges", RawQuery: "a=1", ContentType: []string{"application/json"}}
+	plain := requestHead{Method: "POST", Host: "api.example", Path: "/v1/charges"}
+	for _, c := range []struct {
+		head requestHead
+		body string
+		want string
+	}{
+		// As computed before trailers took part.
+		{js, `{ "b": 2, "a": 1 }`, "355c9777ccde30a258086298825a508642a17b483c9dac638e534f612c187fb6"},
+		{plain, "amount=1", "e874d410d8e03708f696b1fa6b03ec112cf2ade9b220912cd67ba7f3b713dbe3"},
+	} {
+		for _, trailer := range []http.Header{nil, {}, {"X-Amount": nil}} {
+			c.head.Trailer = trailer
+			if got := fingerprint(c.head, []byte(c.body)); hex.EncodeToString(got[:]) != c.want {
+				t.Errorf("%+v without trailer values fingerprints %x, want %s as before", c.head, got, c.want)
+			}
+		}
+	}
+
+	with := func(trailer http.Header, body string) [32]byte {
+		h := plain
+		h.Trailer = trailer
+		return fingerprint(h, []byte(body))
+	}
+	seen := map[[32]byte]string{}
+	for _, tc := range []struct {
+		trailer http.Header
+		body    string
+	}{
+		{nil, "ab"},
+		{http.Header{"A": {""}}, "ab"},
+		{http.Header{"A": {"b"}}, "a"},
+		{http.Header{"A": {"b"}}, ""},
+		{http.Header{"A": {"", "b"}}, ""},
+		{http.Header{"A": {"b", ""}}, ""},
+		{http.Header{"A": {"b, c"}}, ""},
+		{http.Header{"A": {"b", "c"}}, ""},
+		{http.Header{"A": {"c", "b"}}, ""},
+		{http.Header{"A": {"b"}, "C": {""}}, ""},
+		{http.Header{"Ab": {""}}, ""},
+		{http.Header{"A": {"1"}}, "t"},
+		{http.Header{"A": {"999"}}, "t"},
+	} {
+		fp := with(tc.trailer, tc.body)
+		desc := fmt.Sprintf("%v %q", tc.trailer, tc.body)
+		if prev, dup := seen[fp]; dup {
+			t.Fatalf("%s and %s fingerprint alike", prev, desc)
+		}
+		seen[fp] = desc
+	}
+	if with(http.Header{"x-amount": {"1"}, "B": {"2"}}, "") != with(http.Header{"B": {"2"}, "X-Amount": {"1"}}, "") {
+		t.Error("trailer names are case-insensitive and unordered, but fingerprint apart")
 	}
 }

@@ -296,6 +296,7 @@ type execution struct {
 	Key       string // Idempotency-Key as received ("" if none)
 	Body      []byte // exactly the bytes received
 	Header    http.Header
+	Trailer   http.Header // the request's trailers, once its body was read
 	Started   time.Time
 	Finished  bool // wrote its whole response
 	Cancelled bool // its request context was cancelled before it finished
@@ -388,6 +389,7 @@ func (u *upstream) serve(w http.ResponseWriter, r *http.Request) {
 		Key:     r.Header.Get("Idempotency-Key"),
 		Body:    body,
 		Header:  r.Header.Clone(),
+		Trailer: r.Trailer.Clone(),
 		Started: time.Now(),
 	}
 	u.execs = append(u.execs, e)
