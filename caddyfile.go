@@ -50,6 +50,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    retry_after        <duration>
 //	    max_request_body   <size>
 //	    max_response_body  <size>
+//	    request_body_budget <size>
 //	    exclude_headers    <name...>
 //	    prune_interval     <duration>
 //	    execution_timeout  <duration>
@@ -128,6 +129,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			err = sizeArg(d, &h.MaxRequestBody)
 		case "max_response_body":
 			err = sizeArg(d, &h.MaxResponseBody)
+		case "request_body_budget":
+			err = budgetArg(d, &h.RequestBodyBudget)
 		case "replay_cache":
 			err = replayCacheArg(d, &h.ReplayCache)
 		case "exclude_headers":
@@ -251,6 +254,21 @@ func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
 	}
 	if n == 0 || n > math.MaxInt32 {
 		return d.Errf("idempotency: %s: size must be between 1 byte and 2GiB, got %q", name, s)
+	}
+	*dst = int64(n)
+	return nil
+}
+
+// budgetArg parses request_body_budget's size, which is the process's
+// and may exceed the 2GiB of one body.
+func budgetArg(d *caddyfile.Dispenser, dst *int64) error {
+	var s string
+	if !d.Args(&s) || d.NextArg() {
+		return d.ArgErr()
+	}
+	n, err := humanize.ParseBytes(s)
+	if err != nil || n == 0 || n > math.MaxInt64 {
+		return d.Errf("idempotency: request_body_budget: invalid size %q (want a positive size such as 64MiB)", s)
 	}
 	*dst = int64(n)
 	return nil

@@ -75,6 +75,20 @@ var (
 		Help:      "Expired records deleted by this instance's pruning.",
 	})
 
+	bodyBudgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "request_body_budget_refusals_total",
+		Help:      "Requests answered 503 because buffering their bodies would exceed request_body_budget (their result is rejected).",
+	})
+
+	bufferedBodies = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "request_body_buffered_bytes",
+		Help:      "Bytes of request bodies buffered now, as reserved from request_body_budget.",
+	}, bufferedBodyBytes)
+
 	replayAge = prometheus.NewHistogram(prometheus.HistogramOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
@@ -153,7 +167,7 @@ func serverName(ctx caddy.Context) string {
 // instruments the store.
 func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, replayAge} {
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, bodyBudgetRefusals, bufferedBodies, replayAge} {
 		// Several handlers in one config register the same collectors.
 		if err := reg.Register(c); err != nil && !errors.As(err, new(prometheus.AlreadyRegisteredError)) {
 			return err

@@ -135,7 +135,8 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		return pass(resultNoKey)
 	}
 	credID := credentialID(rk.CredentialHash)
-	body, prob := h.readBody(r)
+	body, held, prob := h.readBody(r)
+	defer h.bodyBudget.release(held)
 	if prob != nil {
 		wouldReject(key, *prob)
 		restoreBody(r, body, prob)

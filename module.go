@@ -16,9 +16,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math"
-	"net"
 	"net/http"
 	"net/http/httptrace"
 	"strings"
@@ -127,6 +125,13 @@ type Handler struct {
 	// Default: 1 MiB.
 	MaxRequestBody int64 `json:"max_request_body,omitempty"`
 
+	// The bytes of request bodies that may be buffered at once, by every
+	// handler of the process whose budget has this size; a request whose
+	// body would exceed it gets 503 with Retry-After. At least
+	// max_request_body plus 128 KiB. Default: 64 MiB, or that floor if
+	// it is larger.
+	RequestBodyBudget int64 `json:"request_body_budget,omitempty"`
+
 	// The largest response body stored, in bytes. A larger response
 	// still reaches the first caller whole, but is not replayable.
 	// Default: 1 MiB.
@@ -202,6 +207,9 @@ type Handler struct {
 	executing *atomic.Int64
 	// renewer renews the locks of the requests running (renew.go).
 	renewer *lockRenewer
+	// bodyBudget bounds the request bodies buffered at once
+	// (requestbody.go).
+	bodyBudget *bodyBudget
 }
 
 // CaddyModule returns the Caddy module information.
@@ -240,6 +248,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if h.MaxResponseBody == 0 {
 		h.MaxResponseBody = defaultMaxBody
 	}
+	h.provisionBodyBudget()
 	if h.PruneInterval == nil {
 		d := caddy.Duration(defaultPruneInterval)
 		h.PruneInterval = &d
@@ -320,6 +329,9 @@ func (h *Handler) Validate() error {
 		if n > math.MaxInt32 {
 			return fmt.Errorf("idempotency: %s: size must be between 1 byte and 2GiB, got %d", name, n)
 		}
+	}
+	if err := h.validateBodyBudget(); err != nil {
+		return err
 	}
 	if h.ReplayCache != nil && *h.ReplayCache < 0 {
 		return fmt.Errorf("replay_cache must not be negative")
@@ -510,7 +522,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	credID := credentialID(rk.CredentialHash)
 
 	// 3. Body, read whole (bounded) and handed on intact.
-	body, prob := h.readBody(r)
+	body, held, prob := h.readBody(r)
+	defer h.bodyBudget.release(held)
 	if prob != nil {
 		return h.reject(w, repl, key, *prob)
 	}
@@ -600,70 +613,6 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 		LockTimeout: time.Duration(h.LockTimeout),
 		Retention:   time.Duration(h.Retention),
 	}
-}
-
-// initialBodyBuffer is the most that is allocated for a body before its
-// bytes arrive: a declared Content-Length costs nothing until it is sent.
-const initialBodyBuffer = 64 << 10
-
-// readBody reads the request body up to MaxRequestBody. The problem it
-// returns, if any, is the client's error: nothing has been stored yet.
-// With a problem, the bytes are those read so far: shadow mode hands them
-// on, followed by the rest of the body.
-func (h *Handler) readBody(r *http.Request) ([]byte, *problem) {
-	tooLarge := func(limit int64) *problem {
-		p := probBodyTooLarge.withDetail(fmt.Sprintf(
-			"the request body is larger than the %d bytes this endpoint accepts; nothing was executed", limit))
-		return &p
-	}
-	if r.ContentLength > h.MaxRequestBody {
-		return nil, tooLarge(h.MaxRequestBody)
-	}
-	if r.Body == nil || r.Body == http.NoBody {
-		return []byte{}, nil
-	}
-	// The buffer grows, by doubling, with the bytes that arrive: a
-	// client that declares a large body and sends little holds little.
-	// A body that arrives whole as declared fits its first buffer when
-	// it is small (+1 to see EOF without growing), and costs a few
-	// copies when it is large.
-	limit := h.MaxRequestBody + 1
-	size := int64(512)
-	if r.ContentLength >= 0 {
-		size = r.ContentLength + 1
-	}
-	buf := make([]byte, 0, min(size, initialBodyBuffer, limit))
-	lr := io.LimitedReader{R: r.Body, N: limit}
-	for {
-		if len(buf) == cap(buf) {
-			grown := make([]byte, len(buf), min(2*int64(cap(buf)), limit))
-			copy(grown, buf)
-			buf = grown
-		}
-		n, err := lr.Read(buf[len(buf):cap(buf)])
-		buf = buf[:len(buf)+n]
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			// A request_body limit around this handler (or any
-			// http.MaxBytesReader) is a body too large too.
-			var mbe *http.MaxBytesError
-			if errors.As(err, &mbe) {
-				return buf, tooLarge(mbe.Limit)
-			}
-			p := probBodyUnreadable
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				p.Status = http.StatusRequestTimeout
-			}
-			return buf, &p
-		}
-	}
-	if int64(len(buf)) > h.MaxRequestBody {
-		return buf, tooLarge(h.MaxRequestBody)
-	}
-	return buf, nil
 }
 
 // existing answers a request whose key already has a record that this
@@ -1165,12 +1114,17 @@ const (
 	resultStoreError = "store_error"
 )
 
-// reject answers a request that is the client's error (steps 1–3).
+// reject answers a request that is the client's error (steps 1–3), or
+// that the body budget has no room for (503, to retry later).
 func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string, p problem) error {
 	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.rejected"); c != nil {
 		c.Write(zap.String("key", key), zap.Int("status", p.Status), zap.String("title", p.Title))
 	}
-	return h.finish(w, repl, resultRejected, p, 0)
+	retryAfter := 0
+	if p.Status == http.StatusServiceUnavailable {
+		retryAfter = h.retrySecs
+	}
+	return h.finish(w, repl, resultRejected, p, retryAfter)
 }
 
 func (h *Handler) finish(w http.ResponseWriter, repl *caddy.Replacer, result string, p problem, retryAfter int) error {

@@ -62,6 +62,12 @@ var (
 		Status: http.StatusBadRequest,
 		Detail: "the request body could not be read completely; nothing was executed, retry the request with the same Idempotency-Key",
 	}
+	probBodyBudget = problem{
+		Type:   problemTypeBase + "body-budget",
+		Title:  "Too many request bodies in flight",
+		Status: http.StatusServiceUnavailable,
+		Detail: "the server is buffering as many request bodies as it allows at once, so this request was not read nor executed; retry after the Retry-After delay with the same Idempotency-Key",
+	}
 	probKeyReused = problem{
 		Type:   problemTypeBase + "key-reused",
 		Title:  "Idempotency-Key reused",
@@ -119,7 +125,7 @@ func wordProblems(keyHeader, credentialHeader string) map[string]problemWording 
 	r := strings.NewReplacer(defaultKeyHeader, keyHeader)
 	words := make(map[string]problemWording)
 	for _, p := range []problem{
-		probKeyMissing, probKeyMalformed, probKeyDuplicate, probBodyUnreadable, probKeyReused,
+		probKeyMissing, probKeyMalformed, probKeyDuplicate, probBodyUnreadable, probBodyBudget, probKeyReused,
 		probInProgress, probNotReplayable, probStoreUnavailable, probOutcomeUnknown,
 	} {
 		words[p.Type] = problemWording{title: r.Replace(p.Title), detail: r.Replace(p.Detail), defaultDetail: p.Detail}

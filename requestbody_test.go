@@ -1,14 +1,21 @@
 package idempotency
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // A chunked body over a request_body limit around the directive is a
@@ -50,19 +57,19 @@ func (b *stallingBody) Close() error { return nil }
 
 // A declared Content-Length allocates nothing until its bytes arrive.
 func TestReadBodyAllocatesWithArrivals(t *testing.T) {
-	h := &Handler{MaxRequestBody: 2 << 20}
+	h := &Handler{MaxRequestBody: 2 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
 	r := httptest.NewRequest(http.MethodPost, "/pay", nil)
 	r.Body = &stallingBody{}
 	r.ContentLength = 1 << 20
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)
-	body, prob := h.readBody(r)
+	body, held, prob := h.readBody(r)
 	runtime.ReadMemStats(&after)
 	if prob == nil || string(body) != "0123456789" {
 		t.Fatalf("a stalled body read as %q, %v", body, prob)
 	}
-	if c := cap(body); c > initialBodyBuffer {
-		t.Errorf("reading 10 bytes of a declared 1 MiB holds a %d-byte buffer", c)
+	if c := cap(body); c > initialBodyBuffer || held != int64(c) || h.bodyBudget.used.Load() != held {
+		t.Errorf("reading 10 bytes of a declared 1 MiB holds a %d-byte buffer, %d bytes of the budget (%d reserved)", c, held, h.bodyBudget.used.Load())
 	}
 	// Counts every goroutine's allocations: the margin is for the
 	// runtime's and earlier tests' own.
@@ -89,5 +96,185 @@ func TestValidateBoundsBodyLimits(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), field) || !strings.Contains(err.Error(), "2GiB") {
 			t.Errorf("%s of 100 GB: %v, want a refusal", field, err)
 		}
+	}
+}
+
+// slowUpload is a protected POST whose body is sent in two parts, with
+// as long as the test likes in between.
+type slowUpload struct {
+	conn net.Conn
+	rest []byte
+}
+
+// startSlowUpload sends the head of a POST with a body of size bytes,
+// and sent of them.
+func startSlowUpload(t *testing.T, s *site, key string, size, sent int) *slowUpload {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(s.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	_ = conn.SetDeadline(time.Now().Add(30 * time.Second))
+	body := bytes.Repeat([]byte("s"), size)
+	fmt.Fprintf(conn, "POST /pay HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: %s\r\nAuthorization: %s\r\n"+
+		"Content-Type: text/plain\r\nContent-Length: %d\r\n\r\n", key, defaultCred, size)
+	if _, err := conn.Write(body[:sent]); err != nil {
+		t.Fatal(err)
+	}
+	return &slowUpload{conn: conn, rest: body[sent:]}
+}
+
+// finish sends the rest of the body and reads the answer.
+func (u *slowUpload) finish(t *testing.T) reply {
+	t.Helper()
+	if _, err := u.conn.Write(u.rest); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(u.conn), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return reply{Status: resp.StatusCode, Header: resp.Header, Body: b}
+}
+
+// metricValue reads one sample of the admin endpoint's /metrics.
+func metricValue(t *testing.T, adminPort int, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", adminPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, name+" "); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				t.Fatalf("%s: %v", l, err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("no %s in /metrics", name)
+	return 0
+}
+
+// Slow uploads hold only what they sent of the body budget, which every
+// protected request shares: once they hold most of it, a small body
+// still fits, a larger one gets 503 with Retry-After as its bytes
+// arrive, and the budget is whole again once they are done.
+func TestRequestBodyBudget(t *testing.T) {
+	const (
+		chunk  = initialBodyBuffer
+		budget = 16*chunk + 100 // a size no other test uses: budgets of a size are shared
+		slow   = 5
+		size   = 200_000
+		sent   = 150_000 // the first buffer, a chunk and part of another: 3 chunks
+	)
+	up := newUpstream(t)
+	port, adminPort := freeTCPPort(t), freeTCPPort(t)
+	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store memory
+		max_request_body 256KiB
+		request_body_budget %d
+	}
+	reverse_proxy %s
+}
+`, port, budget, up.Addr()), fmt.Sprintf("127.0.0.1:%d", adminPort))
+	s := newSiteClient(t, srv, port)
+	b := bodyBudgetOf(budget)
+	refusals := metricValue(t, adminPort, "caddy_idempotency_request_body_budget_refusals_total")
+
+	var uploads []*slowUpload
+	for range slow {
+		uploads = append(uploads, startSlowUpload(t, s, newKey(), size, sent))
+	}
+	waitFor(t, 10*time.Second, "the slow uploads to reserve what they sent", func() bool {
+		return b.used.Load() == slow*3*chunk
+	})
+	if got := metricValue(t, adminPort, "caddy_idempotency_request_body_buffered_bytes"); got != slow*3*chunk {
+		t.Errorf("buffered bytes metric = %v, want %d", got, slow*3*chunk)
+	}
+
+	wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+	big := call{Key: newKey(), Body: bytes.Repeat([]byte("b"), 100_000), ContentType: "text/plain"}
+	r := s.Do(t, big)
+	if p := wantProblem(t, r, http.StatusServiceUnavailable); p.Type != problemTypeBase+"body-budget" {
+		t.Errorf("problem type %q, want #body-budget", p.Type)
+	}
+	wantRetryAfter(t, r)
+	if got := metricValue(t, adminPort, "caddy_idempotency_request_body_budget_refusals_total"); got != refusals+1 {
+		t.Errorf("refusals metric = %v, want %v", got, refusals+1)
+	}
+	wantCount(t, up, 1)
+
+	for _, u := range uploads {
+		wantExecuted(t, u.finish(t), http.StatusCreated)
+	}
+	waitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
+	wantExecuted(t, s.Do(t, big), http.StatusCreated)
+	if e := up.Executions(); !bytes.Equal(e[len(e)-1].Body, big.Body) {
+		t.Errorf("the upstream got %d bytes, want the %d sent", len(e[len(e)-1].Body), len(big.Body))
+	}
+	wantCount(t, up, slow+2)
+	waitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
+}
+
+// Bodies read in chunks reach the upstream byte for byte, and hold the
+// budget for their size only once whole.
+func TestReadBodyChunks(t *testing.T) {
+	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	for _, n := range []int{0, 1, initialBodyBuffer - 1, initialBodyBuffer, initialBodyBuffer + 1, 3*initialBodyBuffer + 5, 1 << 20} {
+		for _, declared := range []bool{true, false} {
+			want := sizedBody("chunks", n)
+			r := httptest.NewRequest(http.MethodPost, "/pay", io.MultiReader(bytes.NewReader(want)))
+			r.ContentLength = -1
+			if declared {
+				r.ContentLength = int64(n)
+			}
+			body, held, prob := h.readBody(r)
+			if prob != nil || !bytes.Equal(body, want) {
+				t.Fatalf("%d bytes (declared %v): read %d bytes, %v", n, declared, len(body), prob)
+			}
+			if held != int64(cap(body)) || h.bodyBudget.used.Load() != held || held > int64(max(n+1, 512)) {
+				t.Errorf("%d bytes (declared %v): holds %d of the budget (%d reserved) for a %d-byte buffer", n, declared, held, h.bodyBudget.used.Load(), cap(body))
+			}
+			h.bodyBudget.release(held)
+		}
+	}
+	r := httptest.NewRequest(http.MethodPost, "/pay", bytes.NewReader(make([]byte, 1<<20+1)))
+	r.ContentLength = -1
+	if _, held, prob := h.readBody(r); prob == nil || prob.Status != http.StatusRequestEntityTooLarge {
+		t.Errorf("a body over the limit: %v", prob)
+	} else {
+		h.bodyBudget.release(held)
+	}
+	if used := h.bodyBudget.used.Load(); used != 0 {
+		t.Errorf("%d bytes of the budget still reserved", used)
+	}
+}
+
+// request_body_budget: a size, refused with its line when it is not one,
+// and at least what one body of max_request_body needs.
+func TestRequestBodyBudgetConfig(t *testing.T) {
+	for _, in := range []string{"request_body_budget", "request_body_budget 0", "request_body_budget lots", "request_body_budget 1MiB 2MiB", "request_body_budget -1"} {
+		err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser("idempotency {\n" + in + "\n}"))
+		if err == nil || !strings.Contains(err.Error(), ":2") {
+			t.Errorf("%q: %v, want an error naming line 2", in, err)
+		}
+	}
+	h := new(Handler)
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("idempotency {\nrequest_body_budget 8GiB\n}")); err != nil || h.RequestBodyBudget != 8<<30 {
+		t.Errorf("8GiB: %v, %d", err, h.RequestBodyBudget)
+	}
+	if err := loadHandlerJSON(t, `{"handler": "idempotency", "max_request_body": 1048576, "request_body_budget": 1048576}`); err == nil || !strings.Contains(err.Error(), "request_body_budget") {
+		t.Errorf("a budget that no body of the largest size fits: %v, want a refusal", err)
+	}
+	if err := loadHandlerJSON(t, `{"handler": "idempotency", "max_request_body": 1048576, "request_body_budget": 1179648}`); err != nil {
+		t.Errorf("the smallest budget refused: %v", err)
 	}
 }
