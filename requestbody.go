@@ -116,9 +116,13 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 		size = r.ContentLength + 1
 	}
 	size = min(size, initialBodyBuffer, limit)
-	if !h.bodyBudget.reserve(size) {
+	overBudget := func() *problem {
 		bodyBudgetRefusals.Inc()
-		return nil, 0, &probBodyBudget
+		p := probBodyBudget
+		return &p
+	}
+	if !h.bodyBudget.reserve(size) {
+		return nil, 0, overBudget()
 	}
 	held = size
 	lr := io.LimitedReader{R: r.Body, N: limit}
@@ -129,8 +133,7 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 	last := 0 // bytes in the last chunk
 	for err == nil {
 		if !h.bodyBudget.reserve(initialBodyBuffer) {
-			bodyBudgetRefusals.Inc()
-			prob = &probBodyBudget
+			prob = overBudget()
 			break
 		}
 		held += initialBodyBuffer

@@ -12,6 +12,8 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -305,5 +307,32 @@ func TestReadBodyAllocatesItsSizeOnce(t *testing.T) {
 	// that a collection (or the race detector) took from the pool.
 	if per := (after.TotalAlloc - before.TotalAlloc) / n; per > uint64(len(want))*3/2 {
 		t.Errorf("reading a %d-byte body allocated %d bytes", len(want), per)
+	}
+}
+
+// Concurrent reservations never take more than the budget, and give
+// back all they took.
+func TestBodyBudgetConcurrent(t *testing.T) {
+	b := &bodyBudget{limit: 10 * initialBodyBuffer}
+	var wg sync.WaitGroup
+	var over atomic.Bool
+	for range 16 {
+		wg.Go(func() {
+			for range 2000 {
+				if b.reserve(initialBodyBuffer) {
+					if b.used.Load() > b.limit {
+						over.Store(true)
+					}
+					b.release(initialBodyBuffer)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if over.Load() {
+		t.Error("reservations exceeded the budget")
+	}
+	if used := b.used.Load(); used != 0 {
+		t.Errorf("%d bytes still reserved", used)
 	}
 }
