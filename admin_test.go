@@ -329,6 +329,9 @@ func TestAdminAPIReload(t *testing.T) {
 	if err := caddy.Load(cfgJSON, true); err != nil {
 		t.Fatal(err)
 	}
+	// The old admin server stops in the background; a request must not
+	// land in the queue of its listener as it closes.
+	waitListenerReleased(t, strings.TrimPrefix(a.base, "http://"))
 	status, out := a.do(http.MethodGet, "/idempotency/stores", nil)
 	var stores []adminStore
 	if err := json.Unmarshal(out, &stores); status != http.StatusOK || err != nil || len(stores) != 1 || stores[0].Name != "postgres:"+pg.Table {

@@ -95,6 +95,7 @@ func reloadSite(t *testing.T, s *site, upstreamAddr string, directives ...string
 	if err := caddy.Load(js, true); err != nil {
 		t.Fatalf("reload: %v", err)
 	}
+	s.reloaded(t)
 }
 
 // sendWith sends c with extra header fields added to those it has.

@@ -618,6 +618,31 @@ func newSiteClient(t testing.TB, srv *caddyServer, port int) *site {
 	}
 }
 
+// reloaded readies s for the requests after a reload (caddy.Load) of
+// its config. Load returns before the old config's server has stopped:
+// until it closes its listener, which shares the port (SO_REUSEPORT), a
+// new connection may land in that listener's queue and be reset when it
+// closes, or be served by the old config; and a kept-alive connection to
+// the old server may be closed under the next request. So this waits
+// until the old listener is closed and drops the client's idle
+// connections: the next request opens one to the new config's server.
+func (s *site) reloaded(t testing.TB) {
+	t.Helper()
+	// A Caddyfile site's host does not bind it: it listens on the port.
+	waitListenerReleased(t, s.URL[strings.LastIndexByte(s.URL, ':'):])
+	s.client.CloseIdleConnections()
+}
+
+// waitListenerReleased waits until one config only, the new one, listens
+// on the TCP address addr (as the config gives it): the config that a
+// reload replaced has closed its listener.
+func waitListenerReleased(t testing.TB, addr string) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the old config's listener on "+addr+" to close", func() bool {
+		return caddy.ListenerUsage("tcp", addr) == 1
+	})
+}
+
 // oneShot is a client of the same site that opens a connection for each
 // request: Go's client re-sends a request that carries an
 // Idempotency-Key when a reused connection breaks before the answer, and

@@ -583,6 +583,7 @@ func TestMemoryReloadWithOtherMaxEntriesKeepsRecords(t *testing.T) {
 	if err := caddy.Load(cfg(2000), true); err != nil { // caddyMu is held by this test
 		t.Fatalf("reload: %v", err)
 	}
+	s.reloaded(t)
 	wantReplayOf(t, s.Do(t, c), first)
 	wantCount(t, up, 1)
 }

@@ -341,6 +341,7 @@ func TestShadow(t *testing.T) {
 		if err := caddy.Load(mustAdapt(t, globalOptions(srv.LogPath, "")+site("")), true); err != nil {
 			t.Fatal(err)
 		}
+		s.reloaded(t)
 		replay := s.Do(t, c)
 		if got := replay.Header.Get("X-Idem-Result"); got != "replayed" {
 			t.Errorf("result %q once enforcing, want replayed", got)

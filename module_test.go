@@ -418,6 +418,7 @@ func TestReloadDuringDetachedExecution(t *testing.T) {
 		if err := caddy.Load(cfg("retry_after 1s"), true); err != nil { // caddyMu is held by this test
 			t.Fatalf("reload: %v", err)
 		}
+		s.reloaded(t)
 		up.WaitEnded(t, 1)
 		e := up.Executions()[0]
 		if !e.Finished {
@@ -1261,6 +1262,7 @@ func TestPostgresSurvivesReload(t *testing.T) {
 	if err := caddy.Load(cfg("retry_after 3s"), true); err != nil { // caddyMu is held by this test
 		t.Fatalf("reload: %v", err)
 	}
+	s.reloaded(t)
 	wantReplayOf(t, s.Do(t, c), first)
 	wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
 	wantCount(t, up, 2)
