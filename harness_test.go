@@ -522,14 +522,14 @@ func (u *upstream) Count() int {
 // WaitStarted waits until at least n executions have started.
 func (u *upstream) WaitStarted(t testing.TB, n int) {
 	t.Helper()
-	waitFor(t, 5*time.Second, fmt.Sprintf("%d upstream executions to start", n), func() bool { return u.Count() >= n })
+	waitFor(t, 15*time.Second, fmt.Sprintf("%d upstream executions to start", n), func() bool { return u.Count() >= n })
 }
 
 // WaitEnded waits until at least n executions have ended (finished or
 // were cancelled).
 func (u *upstream) WaitEnded(t testing.TB, n int) {
 	t.Helper()
-	waitFor(t, 5*time.Second, fmt.Sprintf("%d upstream executions to end", n), func() bool {
+	waitFor(t, 15*time.Second, fmt.Sprintf("%d upstream executions to end", n), func() bool {
 		ended := 0
 		for _, e := range u.Executions() {
 			if !e.Ended.IsZero() {
