@@ -321,7 +321,9 @@ func TestSlowRequestIsNotTakenOver(t *testing.T) {
 		// renewal can wait longer than a 300ms lock's margin for a pool
 		// connection (docs/guarantees.md), which is not what this test is about.
 		s := protectedSite(t, sb, up.Addr(), "lock_timeout 1s")
-		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3500 * time.Millisecond)}
+		// 1.5s past the last retry, for the retry to be answered while
+		// the first request still runs on a loaded machine.
+		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(4500 * time.Millisecond)}
 		firstCh := runBackground(t, s, c)
 		up.WaitStarted(t, 1)
 		start := time.Now()
@@ -437,7 +439,7 @@ func TestReloadDuringDetachedExecution(t *testing.T) {
 // Retry-After (the response may still be being stored).
 func pollPastInProgress(t *testing.T, s *site, c call) reply {
 	t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		r := s.Do(t, c)
 		if r.Status != http.StatusConflict || r.Header.Get("Retry-After") == "" || time.Now().After(deadline) {
@@ -454,7 +456,7 @@ func TestExecutionTimeoutBoundsDetachedWork(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr(), "execution_timeout 1s")
-		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(4 * time.Second)}
+		c := call{Key: newKey(), Body: payBody(), Header: sleepFor(10 * time.Second)}
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() {
@@ -470,7 +472,9 @@ func TestExecutionTimeoutBoundsDetachedWork(t *testing.T) {
 		if !e.Cancelled {
 			t.Fatalf("the upstream ran to its end although execution_timeout is 1s")
 		}
-		if took := e.Ended.Sub(e.Started); took > 3*time.Second {
+		// Far from the 10s the work would run unbounded, with room for
+		// a loaded machine.
+		if took := e.Ended.Sub(e.Started); took > 5*time.Second {
 			t.Errorf("the detached work ran %v, want about 1.05s (execution_timeout 1s)", took)
 		}
 		// reverse_proxy writes a bare 499 when it is cancelled: the retry
@@ -796,23 +800,24 @@ func TestPruneDeletesExpiredRows(t *testing.T) {
 	sb := postgresBackend(t)
 	up := newUpstream(t)
 	s := protectedSite(t, sb, up.Addr(), "retention 2s", "lock_timeout 1s", "prune_interval 1s")
-	start := time.Now()
 	for range 3 {
 		wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
 	}
 	if n := pgCount(t, sb); n != 3 {
 		t.Fatalf("%d rows after 3 requests, want 3", n)
 	}
-	time.Sleep(time.Until(start.Add(1500 * time.Millisecond)))
 	late := call{Key: newKey(), Body: payBody()}
 	lateReply := s.Do(t, late)
-	waitFor(t, 2500*time.Millisecond, "expired rows to be pruned", func() bool { return pgCount(t, sb) <= 1 })
+	// The live row lives on however slow the machine is, until the
+	// pruner has taken the others.
+	if n := pgExec(t, sb.DSN, "UPDATE "+quoteIdent(sb.Table)+" SET expires_at = now() + interval '1 hour' WHERE key = $1", late.Key); n != 1 {
+		t.Fatalf("%d rows of the live key, want 1", n)
+	}
+	waitFor(t, 10*time.Second, "expired rows to be pruned", func() bool { return pgCount(t, sb) <= 1 })
 	if n := pgCount(t, sb); n != 1 {
 		t.Fatalf("%d rows after pruning, want the 1 live row", n)
 	}
-	if time.Since(start) < 3400*time.Millisecond {
-		wantReplayOf(t, s.Do(t, late), lateReply)
-	}
+	wantReplayOf(t, s.Do(t, late), lateReply)
 }
 
 func TestErrorResponsesAreStoredAndReplayed(t *testing.T) {
