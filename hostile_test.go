@@ -45,7 +45,8 @@ func TestHostileDeepJSON(t *testing.T) {
 			first := s.Do(t, c)
 			wantExecuted(t, first, http.StatusCreated)
 			wantReplayOf(t, s.Do(t, c), first)
-			if d := time.Since(start); d > 3*time.Second {
+			// Bounded work, with room for a loaded machine.
+			if d := time.Since(start); d > 10*time.Second {
 				t.Errorf("two requests took %v", d)
 			}
 			if got := up.Executions()[n].Body; !bytes.Equal(got, body) {

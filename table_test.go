@@ -205,7 +205,9 @@ func TestPostgresAcquireFailsFastWhenDatabaseDown(t *testing.T) {
 	fwd.Cut()
 	start := time.Now()
 	_, err := s.Acquire(ctx, testAcquireRequest("cred", "during", "body"))
-	if took := time.Since(start); err == nil || took > storeTimeout/4 {
+	// Half the store timeout: a loaded machine's margin, and still not
+	// the timeout waited out.
+	if took := time.Since(start); err == nil || took > storeTimeout/2 {
 		t.Fatalf("acquire with the database down: %v after %v; want an error well within the store timeout (%v)",
 			err, took.Round(time.Millisecond), storeTimeout)
 	}
