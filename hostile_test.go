@@ -378,7 +378,9 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 	for i := range 5 {
 		upstreamSecrets = append(upstreamSecrets, fmt.Sprintf("upstream-secret-%d-%s", i, randomHex(6)))
 	}
+	var started atomic.Int32
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		started.Add(1)
 		if d, err := time.ParseDuration(r.Header.Get("X-Test-Sleep")); err == nil {
 			time.Sleep(d)
 		}
@@ -421,9 +423,11 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 
 	// Every path a request can take.
 	key, body := newKey(), payBody()
-	slow := call{Key: key, Body: body, Cred: credA, Header: sleepFor(400 * time.Millisecond)}
+	// Long enough for B's request and A's retry to be answered while A's
+	// runs, on a loaded machine too.
+	slow := call{Key: key, Body: body, Cred: credA, Header: sleepFor(2 * time.Second)}
 	chA := runBackground(t, s, slow)
-	time.Sleep(100 * time.Millisecond)
+	waitFor(t, 15*time.Second, "A's request to reach the upstream", func() bool { return started.Load() == 1 })
 	// Tenant B, same key, same body, while A's request runs: B's own.
 	chB := runBackground(t, s, call{Key: key, Body: body, Cred: credB, Header: slow.Header})
 	wantProblem(t, s.Do(t, call{Key: key, Body: body, Cred: credA}), http.StatusConflict) // in progress

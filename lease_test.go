@@ -33,7 +33,9 @@ func TestStoreLiveLeaseNeverExpires(t *testing.T) {
 	eachRealStore(t, func(t *testing.T, s Store) {
 		ctx := context.Background()
 		owner := testAcquireRequest("cred", "lease-key", "body")
-		owner.Retention, owner.LockTimeout = 1500*time.Millisecond, 600*time.Millisecond
+		// A renewal may come late on a loaded machine: the lease has
+		// room for several missed ones.
+		owner.Retention, owner.LockTimeout = 1500*time.Millisecond, time.Second
 		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
@@ -59,7 +61,7 @@ func TestStoreLiveLeaseNeverExpires(t *testing.T) {
 			t.Fatalf("complete: %v", err)
 		}
 		completed := time.Now()
-		time.Sleep(owner.Retention - 400*time.Millisecond)
+		time.Sleep(owner.Retention / 2)
 		if n, err := s.Prune(ctx, 100); err != nil || n != 0 {
 			t.Fatalf("prune within the retention after completion: %d, %v; want 0", n, err)
 		}

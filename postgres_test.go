@@ -281,13 +281,15 @@ func TestPostgresRenewPreventsTakeover(t *testing.T) {
 	s := newTestPostgresStore(t, freshTable(t), 8)
 	ctx := context.Background()
 	owner := testAcquireRequest("cred", "renew-000001", "body")
-	owner.LockTimeout = 300 * time.Millisecond
+	// A 1s lock: a retry's acquire after a renewal may wait a while on a
+	// loaded machine, and must still find the lock held.
+	owner.LockTimeout = time.Second
 	mustAcquirePG(t, s, owner, OutcomeCreated)
 
 	// Four lock timeouts long: without the renewals, the retries would
 	// take over from the third one on.
 	for range 12 {
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(owner.LockTimeout / 3)
 		if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
 			t.Fatalf("renew: %v", err)
 		}
