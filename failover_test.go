@@ -268,7 +268,7 @@ func (r *failoverRun) checkWaitAfterFailover(t *testing.T) {
 		}
 		first <- rep
 	}()
-	waitFor(t, 5*time.Second, "the first request to reach the upstream", func() bool {
+	waitFor(t, 15*time.Second, "the first request to reach the upstream", func() bool {
 		for _, e := range r.up.Executions() {
 			if e.Key == c.Key {
 				return true

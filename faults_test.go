@@ -273,7 +273,7 @@ func testPostgresSilent(t *testing.T, work time.Duration) {
 		r, err := a.DoCtx(context.Background(), c)
 		first <- answer{r, err, time.Now()}
 	}()
-	waitFor(t, 5*time.Second, "the first execution", func() bool { return executions.Load() > 0 })
+	waitFor(t, 15*time.Second, "the first execution", func() bool { return executions.Load() > 0 })
 	executed := time.Now()
 
 	// Another instance retries the key, as a client that timed out
@@ -688,7 +688,7 @@ func TestFaultConfigReloadUnderLoad(t *testing.T) {
 	wg.Wait()
 
 	_, lastMax := config(reloads)
-	waitFor(t, 5*time.Second, "the connections to settle", func() bool { return sample() <= lastMax })
+	waitFor(t, 15*time.Second, "the connections to settle", func() bool { return sample() <= lastMax })
 	t.Logf("%d requests through %d reloads (%d connections reset and the request sent again); at most %d connections at once, %d distinct over the run, %d pools",
 		requests.Load(), reloads, resets.Load(), most, len(pids), pools)
 	if requests.Load() == 0 {

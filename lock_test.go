@@ -339,7 +339,7 @@ func TestPoolOutlivesUnloadedRequests(t *testing.T) {
 		t.Fatalf("the pool was let go while a request owned a record")
 	}
 	busy.Store(false)
-	waitFor(t, 5*time.Second, "the pool to be let go", func() bool {
+	waitFor(t, 15*time.Second, "the pool to be let go", func() bool {
 		_, ok := postgresPools.References(s.poolKey)
 		return !ok
 	})

@@ -144,14 +144,14 @@ http://127.0.0.1:%d {
 			VALUES ($1, $2, $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() - interval '1 day', 201, '{}', '', true, 0)`,
 			bytes.Repeat([]byte{9}, 32), fmt.Sprintf("expired-%d", i))
 	}
-	waitFor(t, 5*time.Second, "the pruner to delete the 3 expired rows", func() bool { return pgCount(t, sb) == 3 })
+	waitFor(t, 15*time.Second, "the pruner to delete the 3 expired rows", func() bool { return pgCount(t, sb) == 3 })
 
 	var after metricsSnapshot
 	delta := func(name string, labels ...string) float64 {
 		return after.value(name, labels...) - before.value(name, labels...)
 	}
 	// The pruner's counter is added to right after its statement.
-	waitFor(t, 2*time.Second, "the pruned records to be counted", func() bool {
+	waitFor(t, 10*time.Second, "the pruned records to be counted", func() bool {
 		after = scrapeMetrics(t, admin)
 		return delta("caddy_idempotency_pruned_records_total") >= 3
 	})

@@ -101,7 +101,7 @@ http://127.0.0.1:%d {
 	sc := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"}
 	shadow.Do(t, sc)
 	shadow.Do(t, sc)
-	waitFor(t, 3*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
+	waitFor(t, 15*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
 
 	common := []string{"key", "credential_id", "method", "path"}
 	want := []struct {
@@ -205,7 +205,7 @@ func TestAccessLogPlaceholders(t *testing.T) {
 	// The lines of the requests sent one after the other, in order: all
 	// but the in-flight request's own.
 	var access []map[string]any
-	waitFor(t, 2*time.Second, "the access log lines", func() bool {
+	waitFor(t, 10*time.Second, "the access log lines", func() bool {
 		access = access[:0]
 		for _, l := range s.logLines(t) {
 			if name, _ := l["logger"].(string); !strings.HasPrefix(name, "http.log.access") {

@@ -172,14 +172,14 @@ func TestBatcherDefersDuplicateKeys(t *testing.T) {
 		})
 	}
 	queued := func(n int) {
-		waitFor(t, 5*time.Second, fmt.Sprintf("%d queued", n), func() bool {
+		waitFor(t, 15*time.Second, fmt.Sprintf("%d queued", n), func() bool {
 			b.mu.Lock()
 			defer b.mu.Unlock()
 			return len(b.queue) == n
 		})
 	}
 	do("first")
-	waitFor(t, 5*time.Second, "the first batch", func() bool {
+	waitFor(t, 15*time.Second, "the first batch", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(batches) == 1
@@ -327,14 +327,14 @@ func TestBatcherFollowersRideOnTheLead(t *testing.T) {
 		})
 	}
 	queued := func(n int) {
-		waitFor(t, 5*time.Second, fmt.Sprintf("%d queued", n), func() bool {
+		waitFor(t, 15*time.Second, fmt.Sprintf("%d queued", n), func() bool {
 			b.mu.Lock()
 			defer b.mu.Unlock()
 			return len(b.queue) == n
 		})
 	}
 	do("first", req{key: "first"})
-	waitFor(t, 5*time.Second, "the first batch", func() bool {
+	waitFor(t, 15*time.Second, "the first batch", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(batches) == 1

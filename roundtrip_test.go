@@ -125,7 +125,7 @@ func TestStoreRoundTrips(t *testing.T) {
 	wantStatements := func(t *testing.T, what string, want ...string) {
 		t.Helper()
 		if len(want) > 0 {
-			waitFor(t, 5*time.Second, fmt.Sprintf("%d statements", len(want)), func() bool {
+			waitFor(t, 15*time.Second, fmt.Sprintf("%d statements", len(want)), func() bool {
 				return statementCounter.count(table) >= len(want)
 			})
 		}
@@ -158,7 +158,7 @@ func TestStoreRoundTrips(t *testing.T) {
 		// Warm the connection: its first statements are prepared.
 		warm := call{Key: newKey(), Body: payBody()}
 		wantExecuted(t, s.Do(t, warm), 201)
-		waitFor(t, 5*time.Second, "the warm-up's statements", func() bool {
+		waitFor(t, 15*time.Second, "the warm-up's statements", func() bool {
 			return statementCounter.count(table) >= 2
 		})
 		time.Sleep(50 * time.Millisecond)
