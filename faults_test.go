@@ -279,7 +279,7 @@ func testPostgresSilent(t *testing.T, work time.Duration) {
 	// Another instance retries the key, as a client that timed out
 	// would, until it gets the stored answer.
 	var retried reply
-	deadline := executed.Add(work + 4*silence)
+	deadline := executed.Add(work + 10*silence)
 	for {
 		r, err := b.DoCtx(context.Background(), c)
 		if err != nil {
@@ -523,8 +523,17 @@ func TestFaultCaddySIGKILLMidRequest(t *testing.T) {
 	if executed[0].at.Before(earliest) {
 		t.Errorf("taken over %v after the kill: before the lock could be stale", took)
 	}
-	if took > lockTimeout+time.Second {
-		t.Errorf("taken over only %v after the kill, lock_timeout is %v", took, lockTimeout)
+	// The machine's speed shows in the gaps between a retrier's
+	// requests (80-140ms apart when it is idle): the takeover comes
+	// within a second and the longest of them of the stale lock.
+	var gap time.Duration
+	for _, as := range answers {
+		for j := 1; j < len(as); j++ {
+			gap = max(gap, as[j].at.Sub(as[j-1].at))
+		}
+	}
+	if took > lockTimeout+time.Second+gap {
+		t.Errorf("taken over only %v after the kill, lock_timeout is %v, retries at most %v apart", took, lockTimeout, gap)
 	}
 	if n := b.logMessages(t)["idempotency.takeover"]; n != 1 {
 		t.Errorf("%d idempotency.takeover log lines, want 1", n)
