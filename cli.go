@@ -44,7 +44,7 @@ const cliListLimit = 20
 func init() {
 	caddycmd.RegisterCommand(caddycmd.Command{
 		Name:  "idempotency",
-		Usage: "migrate|prune|inspect|release [--config <Caddyfile> [--adapter <name>] | --dsn <connection string>] [--table <name>] ...",
+		Usage: "migrate|prune|inspect|release|version [--config <Caddyfile> [--adapter <name>] | --dsn <connection string>] [--table <name>] ...",
 		Short: "Operates the Postgres store of the idempotency handler",
 		Long: `
 Operates the Postgres store of the idempotency handler (http.handlers.idempotency):
@@ -53,6 +53,7 @@ Operates the Postgres store of the idempotency handler (http.handlers.idempotenc
   prune     deletes expired records, in batches
   inspect   shows the record of a key for a credential
   release   deletes a stuck in-progress record, so that its key can be retried
+  version   prints the versions of this module and of Caddy
 
 The database is --dsn, or else the environment variable IDEMPOTENCY_DSN, or
 else DATABASE_URL. --table is the store's table (default idempotency_keys).
@@ -84,7 +85,7 @@ Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 				}
 				return cliUsageError(c, errors.New("a subcommand is required: migrate, prune, inspect or release"))
 			}
-			cmd.AddCommand(cliMigrateCmd(), cliPruneCmd(), cliInspectCmd(), cliReleaseCmd())
+			cmd.AddCommand(cliMigrateCmd(), cliPruneCmd(), cliInspectCmd(), cliReleaseCmd(), cliVersionCmd())
 		},
 	})
 }

@@ -79,6 +79,12 @@ func wantCLI(t *testing.T, res cliResult, code int, contains ...string) {
 	}
 }
 
+// version names this module's release and the Caddy it is built with,
+// and needs no database.
+func TestCLIVersion(t *testing.T) {
+	wantCLI(t, runCLI(t, nil, "version"), exitOK, "caddy-idempotency "+Version+" (Caddy v2.")
+}
+
 // migrate creates the table of a store with `migrate off`, which then
 // works; a second run applies nothing.
 func TestCLIMigrate(t *testing.T) {

@@ -167,7 +167,7 @@ func serverName(ctx caddy.Context) string {
 // instruments the store.
 func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
-	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, bodyBudgetRefusals, bufferedBodies, replayAge} {
+	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, bodyBudgetRefusals, bufferedBodies, replayAge, buildInfo} {
 		// Several handlers in one config register the same collectors.
 		if err := reg.Register(c); err != nil && !errors.As(err, new(prometheus.AlreadyRegisteredError)) {
 			return err

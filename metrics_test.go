@@ -35,8 +35,8 @@ func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
 	return fams
 }
 
-// value is the sum of the counter values, or of the histogram sample
-// counts, of the series of name whose labels include the label pairs
+// value is the sum of the counter or gauge values, or of the histogram
+// sample counts, of the series of name whose labels include the label pairs
 // given.
 func (m metricsSnapshot) value(name string, labelPairs ...string) float64 {
 	fam, ok := m[name]
@@ -59,6 +59,8 @@ series:
 		}
 		if h := metric.GetHistogram(); h != nil {
 			sum += float64(h.GetSampleCount())
+		} else if g := metric.GetGauge(); g != nil {
+			sum += g.GetValue()
 		} else {
 			sum += metric.GetCounter().GetValue()
 		}
@@ -183,6 +185,9 @@ http://127.0.0.1:%d {
 			t.Errorf("%s%v grew by %v, want %v", tc.name, tc.labels, got, tc.want)
 		}
 	}
+	if got := after.value("caddy_idempotency_build_info", "version", Version); got != 1 {
+		t.Errorf("caddy_idempotency_build_info{version=%q} is %v, want 1", Version, got)
+	}
 	if after["caddy_idempotency_store_duration_seconds"].GetType() != dto.MetricType_HISTOGRAM ||
 		after["caddy_idempotency_replay_age_seconds"].GetType() != dto.MetricType_HISTOGRAM {
 		t.Errorf("store latency and replay age are not histograms")
@@ -194,7 +199,7 @@ http://127.0.0.1:%d {
 		for _, metric := range fam.GetMetric() {
 			for _, lp := range metric.GetLabel() {
 				switch lp.GetName() {
-				case "result", "operation":
+				case "result", "operation", "version", "caddy_version":
 				case "server":
 					// The config's server names, never the Host header
 					// (UNKNOWN: the handlers that unit tests provision
@@ -203,7 +208,7 @@ http://127.0.0.1:%d {
 						t.Errorf("%s has a label server=%q, not a server of the config", name, lp.GetValue())
 					}
 				default:
-					t.Errorf("%s has a label %s=%q: only server, result and operation are bounded", name, lp.GetName(), lp.GetValue())
+					t.Errorf("%s has a label %s=%q: only server, result, operation and the versions are bounded", name, lp.GetName(), lp.GetValue())
 				}
 			}
 		}

@@ -313,6 +313,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if *h.PruneInterval > 0 {
 		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))
 	}
+	// Which release runs, for a support case: Caddy has no place for it.
+	h.logger.Info("idempotency.provisioned", zap.String("version", Version),
+		zap.String("server", h.metrics.server), zap.String("store", mod.(caddy.Module).CaddyModule().ID.Name()))
 	return nil
 }
 
