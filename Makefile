@@ -9,18 +9,36 @@ caddy:
 # The build a user makes from a clone or a fork: xcaddy with this
 # directory as the module, at the Caddy version of go.mod. xcaddy is
 # installed from the Go module proxy if it is not on PATH or in GOBIN.
-# The replacement names a version (@v0.0.0): without one, `go get` asks
-# the proxy for the module's latest version, which an unpublished module
-# or fork does not have.
+# The replacement names a version, the module's own (version.go):
+# without one, `go get` asks the proxy for the module's latest version,
+# which an unpublished module or fork does not have; and the version
+# named is the one `caddy list-modules --versions` shows.
 XCADDY_VERSION ?= v0.4.5
 GOBIN_DIR := $(shell go env GOBIN)
 XCADDY := $(or $(shell command -v xcaddy),$(if $(GOBIN_DIR),$(GOBIN_DIR),$(shell go env GOPATH)/bin)/xcaddy)
 CADDY_VERSION := $(shell go list -m -f '{{.Version}}' github.com/caddyserver/caddy/v2)
+MODULE_VERSION := $(shell sed -n 's/^const Version = "\(.*\)"$$/\1/p' version.go)
 .PHONY: xcaddy
 xcaddy:
 	test -x $(XCADDY) || go install github.com/caddyserver/xcaddy/cmd/xcaddy@$(XCADDY_VERSION)
-	$(XCADDY) build $(CADDY_VERSION) --output ./caddy --with github.com/caddy-idempotency/idempotency@v0.0.0=.
-	./caddy list-modules | grep idempotency
+	$(XCADDY) build $(CADDY_VERSION) --output ./caddy --with github.com/caddy-idempotency/idempotency@$(MODULE_VERSION)=.
+	./caddy list-modules --versions | grep 'idempotency $(MODULE_VERSION)'
+
+# The supported Caddy range (README, Building): go.mod requires the
+# oldest, which `make test` runs against; CADDY_NEWEST is the newest
+# release tested. test-caddy-newest runs the suite in a copy of the
+# working tree whose go.mod requires the newest, with TEST_NEWEST_FLAGS
+# (CI narrows it to the tests closest to Caddy's APIs: see .ci/run).
+CADDY_NEWEST ?= v2.11.9
+TEST_NEWEST_FLAGS ?=
+.PHONY: test-caddy-range test-caddy-newest
+test-caddy-range: test test-caddy-newest
+
+test-caddy-newest:
+	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
+	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$$dir" && \
+	cd "$$dir" && go get github.com/caddyserver/caddy/v2@$(CADDY_NEWEST) && go mod tidy && \
+	go vet ./... && go test -race -count=1 $(TEST_NEWEST_FLAGS) ./...
 
 # The long runs, outside `make test`: the invariant with 20,000 keys against
 # race-built Caddy processes, and each fuzz target for FUZZTIME.

@@ -168,10 +168,11 @@ func TestFailedReleaseResultIsStoreError(t *testing.T) {
 	r.Header.Set("Idempotency-Key", "failed-release-"+runID)
 	r.Header.Set("Authorization", defaultCred)
 	r = r.WithContext(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
+	dialErr := dialError(t)
 	var calls atomic.Int32
 	undialable := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
 		calls.Add(1)
-		return caddyhttp.Error(http.StatusBadGateway, reverseproxy.NewDialError(errors.New("connection refused")))
+		return caddyhttp.Error(http.StatusBadGateway, dialErr)
 	})
 	if err := h.ServeHTTP(httptest.NewRecorder(), r, undialable); err == nil {
 		t.Fatal("the dial error was not returned")
@@ -179,4 +180,27 @@ func TestFailedReleaseResultIsStoreError(t *testing.T) {
 	if got, _ := repl.GetString("http.idempotency.result"); got != resultStoreError {
 		t.Errorf("result %q after a failed release, want %q", got, resultStoreError)
 	}
+}
+
+// dialError is the error reverse_proxy's transport gives for an upstream
+// that refuses connections: a real one, since Caddy before v2.11.8 has no
+// way to make one outside its package.
+func dialError(t *testing.T) error {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	tr := new(reverseproxy.HTTPTransport)
+	if err := tr.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Cleanup()
+	r, err := http.NewRequest(http.MethodPost, fmt.Sprintf("http://127.0.0.1:%d/", freeTCPPort(t)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = tr.RoundTrip(r)
+	if !errors.As(err, new(reverseproxy.DialError)) {
+		t.Fatalf("dialing a closed port: %v, not a dial error", err)
+	}
+	return err
 }
