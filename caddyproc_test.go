@@ -247,10 +247,11 @@ func procSite(t testing.TB, p *caddyProc, port int) *site {
 	return newSiteClient(t, p.caddyServer, port)
 }
 
-// pgBackends counts the server processes connected as applicationName.
+// pgBackends counts the server processes connected as applicationName to
+// the database of dsn: other databases of the server are not the test's.
 func pgBackends(t testing.TB, dsn, applicationName string) int {
 	t.Helper()
-	rows := pgQuery(t, dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", applicationName)
+	rows := pgQuery(t, dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", applicationName)
 	var n int
 	fmt.Sscan(rows[0][0], &n)
 	return n

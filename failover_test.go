@@ -187,7 +187,7 @@ func (r *failoverRun) load(t *testing.T, clients int) {
 			var n int
 			conn, err := pgx.Connect(ctx, r.pair.StandbyDSN())
 			if err == nil {
-				err = conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'caddy-idempotency-listener'").Scan(&n)
+				err = conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'caddy-idempotency-listener'").Scan(&n)
 				conn.Close(ctx)
 			}
 			if err == nil && n == 2 {

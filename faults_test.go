@@ -343,7 +343,7 @@ func TestFaultPostgresConnectionsKilled(t *testing.T) {
 			}
 			var n int
 			if err := killer.QueryRow(ctx, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "+
-				"FROM pg_stat_activity WHERE application_name = $1", app).Scan(&n); err != nil {
+				"FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", app).Scan(&n); err != nil {
 				t.Errorf("killing connections: %v", err)
 				return
 			}
@@ -669,7 +669,7 @@ func TestFaultConfigReloadUnderLoad(t *testing.T) {
 
 	pids := make(map[string]bool)
 	sample := func() int {
-		rows := pgQuery(t, sb.DSN, "SELECT pid FROM pg_stat_activity WHERE application_name = $1", app)
+		rows := pgQuery(t, sb.DSN, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", app)
 		for _, r := range rows {
 			pids[r[0]] = true
 		}

@@ -157,7 +157,7 @@ func TestWaitPostgresListenerReconnects(t *testing.T) {
 	waitFor(t, 15*time.Second, "the listener to connect", func() bool {
 		return pgBackends(t, sb.DSN, "caddy-idempotency-listener") == 1
 	})
-	pgQuery(t, sb.DSN, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'caddy-idempotency-listener'`)
+	pgQuery(t, sb.DSN, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'caddy-idempotency-listener'`)
 	waitFor(t, 15*time.Second, "the listener to reconnect", func() bool {
 		return pgBackends(t, sb.DSN, "caddy-idempotency-listener") == 1
 	})

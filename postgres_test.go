@@ -1074,7 +1074,7 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 	for {
 		var waiting int
 		if err := watcher.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-WHERE wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO '||$1||'%'`,
+WHERE datname = current_database() AND wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO '||$1||'%'`,
 			s.table.quoted()).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}

@@ -232,7 +232,7 @@ func TestPostgresAcquireSurvivesKilledConnections(t *testing.T) {
 		if _, err := s.Acquire(ctx, warm); err != nil {
 			t.Fatalf("acquire: %v", err)
 		}
-		rows := pgQuery(t, testDSN(t), "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1", app)
+		rows := pgQuery(t, testDSN(t), "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", app)
 		if rows[0][0] == "0" {
 			t.Fatalf("no connection killed")
 		}
