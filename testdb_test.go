@@ -13,6 +13,9 @@ package idempotency
 //     postgres user (or nobody) when the tests run as root.
 //
 // Otherwise the test fails, saying how to provide one; it never skips.
+// On the server found, the run creates a database of its own (see
+// createRunDatabase), which the tests use and TestMain drops: the DSN's
+// role needs CREATEDB.
 //
 // The package's TestMain must stop the throwaway cluster once the tests are
 // done. testPostgres.cleanup is nil until a test asked for Postgres, so
@@ -33,6 +36,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"os/user"
@@ -63,28 +67,94 @@ func setupTestPostgres() (dsn string, cleanup func(), err error) {
 	p := &testPostgres
 	p.once.Do(func() {
 		p.cleanup = func() {}
-		if dsn := os.Getenv("IDEMPOTENCY_TEST_DSN"); dsn != "" {
-			p.dsn = dsn
-			return
-		}
-		var probeErr error
-		if os.Getenv("IDEMPOTENCY_TEST_NO_DEFAULT") == "" {
-			if probeErr = pingPostgres(defaultTestDSN); probeErr == nil {
-				p.dsn = defaultTestDSN
-				return
-			}
-		}
-		dsn, cleanup, err := startThrowawayPostgres()
+		server, stop, err := findTestPostgres()
 		if err != nil {
-			if probeErr != nil {
-				err = fmt.Errorf("%s: %v; and %w", defaultTestDSN, probeErr, err)
-			}
 			p.err = err
 			return
 		}
-		p.dsn, p.cleanup = dsn, cleanup
+		p.cleanup = stop
+		dsn, drop, err := createRunDatabase(server)
+		if err != nil {
+			p.err = fmt.Errorf("creating the test run's database on %s: %w", describeDSN(server), err)
+			return
+		}
+		p.dsn, p.cleanup = dsn, func() { drop(); stop() }
 	})
 	return p.dsn, p.cleanup, p.err
+}
+
+// findTestPostgres finds a server in the order of the comment above.
+func findTestPostgres() (dsn string, cleanup func(), err error) {
+	if dsn := os.Getenv("IDEMPOTENCY_TEST_DSN"); dsn != "" {
+		return dsn, func() {}, nil
+	}
+	var probeErr error
+	if os.Getenv("IDEMPOTENCY_TEST_NO_DEFAULT") == "" {
+		if probeErr = pingPostgres(defaultTestDSN); probeErr == nil {
+			return defaultTestDSN, func() {}, nil
+		}
+	}
+	dsn, cleanup, err = startThrowawayPostgres()
+	if err != nil && probeErr != nil {
+		err = fmt.Errorf("%s: %v; and %w", defaultTestDSN, probeErr, err)
+	}
+	return dsn, cleanup, err
+}
+
+// runDatabasePrefix names the databases that test runs create, followed
+// by the run's start in Unix seconds and a random suffix.
+const runDatabasePrefix = "idempotency_test_"
+
+// createRunDatabase creates a database of the run's own on the server of
+// dsn, so that a run shares no table, lock or backend with other runs or
+// other users of the server, and returns its DSN (dsn, a URL, with the
+// database replaced) and what drops it. Databases that crashed runs left
+// behind for more than a day are dropped first.
+func createRunDatabase(dsn string) (string, func(), error) {
+	u, err := url.Parse(dsn)
+	if err != nil || u.Scheme == "" {
+		return "", nil, fmt.Errorf("the tests need a DSN URL (postgres://...), got %q", dsn)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return "", nil, err
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, "SELECT datname FROM pg_database WHERE starts_with(datname, $1)", runDatabasePrefix)
+	if err != nil {
+		return "", nil, err
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return "", nil, err
+	}
+	for _, name := range names {
+		started, _, _ := strings.Cut(strings.TrimPrefix(name, runDatabasePrefix), "_")
+		if secs, err := strconv.ParseInt(started, 10, 64); err == nil && time.Since(time.Unix(secs, 0)) > 24*time.Hour {
+			_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+quoteIdent(name)+" WITH (FORCE)")
+		}
+	}
+	name := fmt.Sprintf("%s%d_%s", runDatabasePrefix, time.Now().Unix(), randomHex(4))
+	if _, err := conn.Exec(ctx, "CREATE DATABASE "+quoteIdent(name)); err != nil {
+		return "", nil, err
+	}
+	u.Path = "/" + name
+	drop := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, dsn)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "dropping the test database %s: %v\n", name, err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP DATABASE IF EXISTS "+quoteIdent(name)+" WITH (FORCE)"); err != nil {
+			fmt.Fprintf(os.Stderr, "dropping the test database %s: %v\n", name, err)
+		}
+	}
+	return u.String(), drop, nil
 }
 
 // testDSN returns the connection string of the Postgres that tests use.
