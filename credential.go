@@ -273,10 +273,12 @@ func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, r
 	}
 	repl.Set("http.idempotency.key", key)
 
+	// A header is read by its fields, also through a placeholder, which
+	// would join fields that disagree into a scope of their own.
 	var credential string
-	if h.Credential != "" {
+	if h.credHeader == "" {
 		credential = repl.ReplaceAll(h.Credential, "")
-	} else if credential, ok = onlyValue(r.Header.Values(h.CredentialHeader)); !ok {
+	} else if credential, ok = onlyValue(r.Header.Values(h.credHeader)); !ok {
 		return key, rk, &probCredentialDuplicate, nil
 	}
 	if credential == "" {

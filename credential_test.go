@@ -482,6 +482,27 @@ http://127.0.0.1:%d {
 	})
 }
 
+// A credential placeholder that reads a header obeys the header's rule:
+// Caddy's placeholder joins the fields ("tenant-a,other"), which would put
+// the request in a scope of its own and execute its key again.
+func TestDuplicateCredentialPlaceholderHeader(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "credential {http.request.header.X-Api-Key}")
+		c := call{Key: newKey(), Body: payBody(), CredHeader: "X-Api-Key", Cred: "tenant-a"}
+		p := wantProblem(t, s.sendWith(t, c, http.Header{"X-Api-Key": {"other"}}), http.StatusBadRequest)
+		if !strings.Contains(p.Title+p.Detail, "X-Api-Key") || strings.Contains(p.Title+p.Detail, "Authorization") {
+			t.Errorf("problem %+v should name X-Api-Key", p)
+		}
+		wantCount(t, up, 0)
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		// The same value twice is one value, as for credential_header.
+		wantReplayOf(t, s.sendWith(t, c, http.Header{"X-Api-Key": {"tenant-a"}}), first)
+		wantCount(t, up, 1)
+	})
+}
+
 // Item 9.12: with another key_header, the problems name it, not
 // Idempotency-Key.
 func TestProblemsNameKeyHeader(t *testing.T) {

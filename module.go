@@ -11,6 +11,7 @@
 package idempotency
 
 import (
+	"cmp"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -196,6 +197,9 @@ type Handler struct {
 	retrySecs int
 	metrics   handlerMetrics
 	credKey   *credentialKey
+	// credHeader is the header that the credential is read from
+	// (credentialSource), or "" for a placeholder that reads none.
+	credHeader string
 	// words rewords the problems that name a header, for handlers with
 	// another key_header or credential_header.
 	words map[string]problemWording
@@ -262,8 +266,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	for _, m := range h.Methods {
 		h.methods[strings.ToUpper(m)] = struct{}{}
 	}
+	h.credHeader = credentialSource(h.CredentialHeader, h.Credential)
 	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
-	for _, name := range append(append([]string{h.CredentialHeader, credentialSource(h.CredentialHeader, h.Credential)}, alwaysExcluded...), h.ExcludeHeaders...) {
+	for _, name := range append(append([]string{h.CredentialHeader, h.credHeader}, alwaysExcluded...), h.ExcludeHeaders...) {
 		if name == "" {
 			continue
 		}
@@ -282,7 +287,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionCredentials(mod); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}
-	h.words = wordProblems(h.KeyHeader, h.CredentialHeader)
+	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
 	h.executing = new(atomic.Int64)
 	h.renewer = newLockRenewer(h)
 	if ps, ok := mod.(*PostgresStore); ok {
