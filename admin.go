@@ -317,6 +317,9 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 		f.limit = sel.Limit
 	}
 	f.withResponse = sel.Body
+	for _, u := range store.users {
+		f.lockTimeout = max(f.lockTimeout, time.Duration(u.h.LockTimeout))
+	}
 	return store, f, nil
 }
 
@@ -403,9 +406,10 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 	return writeAdminJSON(w, out)
 }
 
-// release deletes one record: without force, only an in-progress record
-// whose lease has ended (its owner died, and no retry took it over),
-// which cannot be running; with force, any. It also drops the record from the replay
+// release deletes one record (releaseRecord, as the CLI does): without
+// force, only an in-progress record whose lease has ended (its owner
+// died, and no retry took it over), which cannot be running; with force,
+// any. It also drops the record from the replay
 // caches of this process's handlers, so that its key executes at once
 // here; other instances' caches keep a completed record until it
 // expires or is evicted.
@@ -420,30 +424,19 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 	if err != nil {
 		return err
 	}
-	f.limit, f.withResponse = 2, false
-	recs, err := store.users[0].store.inspectRecords(ctx, f)
-	if err != nil {
-		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
-	}
+	rec, err := releaseRecord(ctx, store.users[0].store, f, sel.Force)
 	switch {
-	case len(recs) == 0:
+	case errors.Is(err, errNoRecord):
 		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", store.Name, f.key))
-	case len(recs) > 1:
+	case errors.Is(err, errAmbiguous):
 		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", store.Name, f.key))
-	}
-	rec := recs[0]
-	switch {
-	case sel.Force:
-	case rec.rec.Status != StatusInProgress:
+	case errors.Is(err, errCompleted):
 		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (force deletes it, and the next request with the key executes again)", f.key, rec.rec.Status))
-	case !rec.leaseEnded:
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease, until %s: its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.key, rec.rec.LockedUntil.UTC().Format(time.RFC3339)))
-	}
-	status, err := store.users[0].store.deleteRecord(ctx, rec.key, sel.Force)
-	if errors.Is(err, errNoRecord) {
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed or released); nothing deleted: look at it again", f.key))
-	}
-	if err != nil {
+	case errors.Is(err, errLeaseLive):
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.key, rec.lockState()))
+	case errors.Is(err, errChanged):
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: look at it again", f.key))
+	case err != nil:
 		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
 	}
 	for _, u := range store.users {
@@ -451,7 +444,6 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 			u.cache.evict(rec.key)
 		}
 	}
-	rec.rec.Status = status
 	return writeAdminJSON(w, struct {
 		Store    string      `json:"store"`
 		Released adminRecord `json:"released"`

@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,7 +22,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
@@ -192,23 +190,28 @@ record of the key whose credential hash starts with it is shown.`,
 			if err := db.hashCredential(ctx, &target); err != nil {
 				return exitError, err
 			}
-			recs, err := db.find(ctx, target)
+			recs, err := db.store.inspectRecords(ctx, db.filter(target))
 			if err != nil {
-				return exitError, err
+				return exitError, db.explain(err)
 			}
 			if len(recs) == 0 {
 				return exitNotFound, target.notFound(db.table)
 			}
 			if fl.Bool("json") {
+				// The admin API's records: the same fields.
+				js := make([]adminRecord, len(recs))
+				for i, ir := range recs {
+					js[i] = newAdminRecord(ir, false)
+				}
 				enc := json.NewEncoder(out)
 				enc.SetIndent("", "  ")
-				return exitOK, enc.Encode(recs)
+				return exitOK, enc.Encode(js)
 			}
-			for i, rec := range recs {
+			for i, ir := range recs {
 				if i > 0 {
 					fmt.Fprintln(out)
 				}
-				rec.print(out)
+				printRecord(out, ir)
 			}
 			if len(recs) > 1 {
 				fmt.Fprintf(out, "\n%d credentials match credential id %s; release needs a longer --credential-id (a credential_hash above) or --credential\n",
@@ -226,12 +229,14 @@ func cliReleaseCmd() *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "release --key <key> --credential-id <hex> | --credential <value> [--force]",
 		Short: "Deletes a stuck in-progress record, so that its key can be retried",
-		Long: `Deletes the in-progress record of a key for a credential, so that the
-client's next request with that key executes instead of getting 409 until
-the lock times out. Use it for a record whose request will never finish.
-If its request is in fact still running, its response will not be stored
-(its completion fails with idempotency.lock_lost) and a retry executes the
-request again: check the lock age with inspect first.
+		Long: `Deletes the in-progress record of a key for a credential whose owner is
+gone, so that the client's next request with that key executes at once. It
+is the admin API's release, by the rule of a takeover and a renewal: the
+record's lease has ended by the database's clock. A record under a live
+lease, whose request may still be running, is refused unless --force; then
+its response will not be stored (its completion fails with
+idempotency.lock_lost) and a retry executes the request again. The lock's
+age and lease are printed before the release.
 
 A completed record is kept unless --force: deleting it means that the next
 request with its key executes again instead of being replayed.`,
@@ -252,7 +257,7 @@ request with its key executes again instead of being replayed.`,
 		}),
 	}
 	cliTargetFlags(cmd)
-	cmd.Flags().Bool("force", false, "delete the record even if it is completed")
+	cmd.Flags().Bool("force", false, "delete the record even if it is completed, or in progress under a live lease")
 	return cmd
 }
 
@@ -372,6 +377,8 @@ func prefixEnd(p []byte) []byte {
 type cliDB struct {
 	pool  *pgxpool.Pool
 	table tableName
+	// store reads and releases records as the admin API does.
+	store *PostgresStore
 	// config is the store of --config, or nil.
 	config *cliConfigStore
 }
@@ -423,7 +430,7 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 		pool.Close()
 		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
 	}
-	return &cliDB{pool: pool, table: table, config: config}, exitOK, nil
+	return &cliDB{pool: pool, table: table, store: &PostgresStore{pool: pool, table: table}, config: config}, exitOK, nil
 }
 
 // explain rewords the error of a table that does not exist.
@@ -435,143 +442,80 @@ func (db *cliDB) explain(err error) error {
 	return err
 }
 
-// cliRecord is a record as inspect shows it.
-type cliRecord struct {
-	CredentialHash string     `json:"credential_hash"`
-	CredentialID   string     `json:"credential_id"`
-	Key            string     `json:"key"`
-	Status         string     `json:"status"`
-	Expired        bool       `json:"expired"`
-	Method         string     `json:"method"`
-	Path           string     `json:"path"`
-	Created        time.Time  `json:"created"`
-	Expires        time.Time  `json:"expires"`
-	Locked         *time.Time `json:"locked,omitempty"`
-	ResponseStatus *int32     `json:"response_status,omitempty"`
-	Replayable     *bool      `json:"replayable,omitempty"`
-	// BodySize is the size of the original response body; StoredBody
-	// and StoredHeaders are what the record holds.
-	BodySize      *int64 `json:"response_body_size,omitempty"`
-	StoredBody    *int32 `json:"stored_body_bytes,omitempty"`
-	StoredHeaders *int32 `json:"stored_headers_bytes,omitempty"`
-
-	now      time.Time // the database's, for ages
-	credHash []byte
+// filter selects the records of t, as the admin API selects them: by
+// the same implementation (inspect.go), the same rule judging a lease.
+func (db *cliDB) filter(t cliTarget) recordFilter {
+	lockTimeout := defaultLockTimeout
+	if db.config != nil {
+		lockTimeout = db.config.lockTimeout
+	}
+	return recordFilter{key: t.key, credPrefixes: [][]byte{t.prefix}, limit: cliListLimit, lockTimeout: lockTimeout}
 }
 
-func (db *cliDB) find(ctx context.Context, t cliTarget) ([]*cliRecord, error) {
-	rows, err := db.pool.Query(ctx, `SELECT credential_hash, status, method, path, created_at, expires_at,
-	expires_at <= now(), locked_at, response_status, replayable, response_size,
-	octet_length(response_body), octet_length(COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8'))), now()
-FROM `+db.table.quoted()+`
-WHERE key = $1 AND credential_hash >= $2 AND ($3::bytea IS NULL OR credential_hash < $3)
-ORDER BY credential_hash
-LIMIT `+fmt.Sprint(cliListLimit), t.key, t.prefix, prefixEnd(t.prefix))
-	if err != nil {
-		return nil, db.explain(err)
+// printRecord shows ir as inspect does, its ages by the database's clock.
+func printRecord(w io.Writer, ir inspectedRecord) {
+	ago := func(t time.Time) string { return ir.now.Sub(t).Round(time.Second).String() }
+	status := string(ir.rec.Status)
+	if ir.rec.Status == StatusInProgress {
+		status += ", " + ir.lockState()
 	}
-	recs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (*cliRecord, error) {
-		r := &cliRecord{Key: t.key}
-		err := row.Scan(&r.credHash, &r.Status, &r.Method, &r.Path, &r.Created, &r.Expires,
-			&r.Expired, &r.Locked, &r.ResponseStatus, &r.Replayable, &r.BodySize,
-			&r.StoredBody, &r.StoredHeaders, &r.now)
-		if err != nil {
-			return nil, err
-		}
-		r.CredentialHash = hex.EncodeToString(r.credHash)
-		r.CredentialID = r.CredentialHash[:12]
-		r.Created, r.Expires, r.now = r.Created.UTC(), r.Expires.UTC(), r.now.UTC()
-		if r.Locked != nil {
-			l := r.Locked.UTC()
-			r.Locked = &l
-		}
-		return r, nil
-	})
-	return recs, db.explain(err)
-}
-
-func (r *cliRecord) print(w io.Writer) {
-	ago := func(t time.Time) string { return r.now.Sub(t).Round(time.Second).String() }
-	status := r.Status
-	if r.Locked != nil {
-		status += fmt.Sprintf(", locked %s ago", ago(*r.Locked))
-	}
-	if r.Expired {
+	if ir.expired {
 		status += " (expired: treated as absent, awaiting pruning)"
 	}
-	fmt.Fprintf(w, "key:              %s\n", r.Key)
-	fmt.Fprintf(w, "credential id:    %s\n", r.CredentialID)
-	fmt.Fprintf(w, "credential hash:  %s\n", r.CredentialHash)
+	fmt.Fprintf(w, "key:              %s\n", ir.key.Key)
+	fmt.Fprintf(w, "credential id:    %s\n", credentialID(ir.key.CredentialHash))
+	fmt.Fprintf(w, "credential hash:  %x\n", ir.key.CredentialHash)
 	fmt.Fprintf(w, "status:           %s\n", status)
-	fmt.Fprintf(w, "request:          %s %s\n", r.Method, r.Path)
-	fmt.Fprintf(w, "created:          %s (%s ago)\n", r.Created.Format(time.RFC3339), ago(r.Created))
-	fmt.Fprintf(w, "expires:          %s (in %s)\n", r.Expires.Format(time.RFC3339), r.Expires.Sub(r.now).Round(time.Second))
-	if r.ResponseStatus == nil {
+	fmt.Fprintf(w, "request:          %s %s\n", ir.rec.Method, ir.rec.Path)
+	fmt.Fprintf(w, "created:          %s (%s ago)\n", ir.rec.CreatedAt.Format(time.RFC3339), ago(ir.rec.CreatedAt))
+	fmt.Fprintf(w, "expires:          %s (in %s)\n", ir.rec.ExpiresAt.Format(time.RFC3339), ir.rec.TTL.Round(time.Second))
+	resp := ir.rec.Response
+	if resp == nil {
 		fmt.Fprintf(w, "response:         none yet\n")
 		return
 	}
 	var body string
 	switch {
-	case r.Replayable != nil && *r.Replayable && r.StoredBody != nil:
-		body = fmt.Sprintf("%d bytes, stored: replayable", *r.StoredBody)
-	case r.BodySize != nil:
-		body = fmt.Sprintf("%d bytes, too large to store: not replayable", *r.BodySize)
+	case resp.Replayable && ir.storedBody != nil:
+		body = fmt.Sprintf("%d bytes, stored: replayable", *ir.storedBody)
+	case resp.BodySize > 0:
+		body = fmt.Sprintf("%d bytes, too large to store: not replayable", resp.BodySize)
 	default:
 		body = "not stored: not replayable"
 	}
 	headers := 0
-	if r.StoredHeaders != nil {
-		headers = int(*r.StoredHeaders)
+	if ir.storedHeaders != nil {
+		headers = *ir.storedHeaders
 	}
-	fmt.Fprintf(w, "response:         %d; body %s; headers %d bytes stored\n", *r.ResponseStatus, body, headers)
+	fmt.Fprintf(w, "response:         %d; body %s; headers %d bytes stored\n", resp.Status, body, headers)
 }
 
+// release deletes the record of t as the admin API's release does
+// (releaseRecord), and shows the lock it deleted.
 func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Writer) (int, error) {
-	recs, err := db.find(ctx, t)
-	if err != nil {
-		return exitError, err
-	}
+	rec, err := releaseRecord(ctx, db.store, db.filter(t), force)
 	switch {
-	case len(recs) == 0:
+	case errors.Is(err, errNoRecord):
 		return exitNotFound, t.notFound(db.table)
-	case len(recs) > 1:
-		return exitError, fmt.Errorf("credential id %s matches %d credentials with key %q; nothing deleted: pass a longer --credential-id (see inspect) or --credential",
-			t.id, len(recs), t.key)
-	}
-	rec := recs[0]
-	if rec.Status != string(StatusInProgress) && !force {
+	case errors.Is(err, errAmbiguous):
+		return exitError, fmt.Errorf("credential id %s matches several credentials with key %q; nothing deleted: pass a longer --credential-id (see inspect) or --credential",
+			t.id, t.key)
+	case errors.Is(err, errCompleted):
 		return exitError, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (--force deletes it, and the next request with the key executes again)",
-			t.key, rec.Status)
-	}
-
-	// The NOTIFY wakes the requests of handlers with `wait` that wait
-	// on this record, so that one of them executes at once.
-	var rk RecordKey
-	copy(rk.CredentialHash[:], rec.credHash)
-	rk.Key = t.key
-	tx, err := db.pool.Begin(ctx)
-	if err != nil {
-		return exitError, err
-	}
-	defer func() { _ = tx.Rollback(context.Background()) }() // a no-op once committed
-	stmt := `DELETE FROM ` + db.table.quoted() + ` WHERE credential_hash = $1 AND key = $2`
-	if !force {
-		stmt += ` AND status = 'in_progress'`
-	}
-	tag, err := tx.Exec(ctx, stmt, rec.credHash, t.key)
-	if err != nil {
+			t.key, rec.rec.Status)
+	case errors.Is(err, errLeaseLive):
+		return exitError, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (--force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)",
+			t.key, rec.lockState())
+	case errors.Is(err, errChanged):
+		return exitError, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: inspect it again", t.key)
+	case err != nil:
 		return exitError, db.explain(err)
 	}
-	if tag.RowsAffected() == 0 {
-		return exitError, fmt.Errorf("the record of key %q changed meanwhile (completed or released); nothing deleted: inspect it again", t.key)
-	}
-	if _, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel(db.table), notifyPayload(rk)); err != nil {
-		return exitError, err
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return exitError, err
+	id := credentialID(rec.key.CredentialHash)
+	if rec.rec.Status == StatusInProgress {
+		fmt.Fprintf(out, "%s: key %q for credential id %s was in progress, %s\n", db.table, t.key, id, rec.lockState())
 	}
 	fmt.Fprintf(out, "%s: released key %q for credential id %s: deleted its %s record; the next request with this key executes\n",
-		db.table, t.key, rec.CredentialID, rec.Status)
+		db.table, t.key, id, rec.rec.Status)
 	return exitOK, nil
 }

@@ -237,8 +237,8 @@ func TestCLIAmbiguousCredentialID(t *testing.T) {
 	for i := range hashes {
 		hashes[i] = append(append([]byte{}, prefix...), bytes.Repeat([]byte{byte(i + 1)}, 26)...)
 		pgExec(t, dsn, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
-			status, lock_token, locked_at, created_at, expires_at)
-			VALUES ($1, 'shared-key', $1, 'POST', '/pay', 'in_progress', $2, now(), now(), now() + interval '1 day')`,
+			status, lock_token, locked_at, locked_until, created_at, expires_at)
+			VALUES ($1, 'shared-key', $1, 'POST', '/pay', 'in_progress', $2, now(), now(), now(), now() + interval '1 day')`,
 			hashes[i], bytes.Repeat([]byte{1}, 16))
 	}
 	// A third credential outside the prefix, under the same key.
@@ -255,7 +255,7 @@ func TestCLIAmbiguousCredentialID(t *testing.T) {
 	if strings.Contains(res.stdout, hex.EncodeToString(other)) {
 		t.Errorf("inspect shows a credential outside the prefix: %s", res)
 	}
-	wantCLI(t, runCLI(t, env, append([]string{"release", "--credential-id", id}, target...)...), exitError, "matches 2 credentials")
+	wantCLI(t, runCLI(t, env, append([]string{"release", "--credential-id", id}, target...)...), exitError, "matches several credentials")
 	if n := pgCount(t, sb); n != 3 {
 		t.Fatalf("%d rows after a refused release, want 3", n)
 	}

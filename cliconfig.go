@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
@@ -30,6 +31,10 @@ type cliConfigStore struct {
 	// secretsAgree is false when the handlers disagree on it: a raw
 	// credential then needs --credential-secret.
 	secretsAgree bool
+	// lockTimeout is the longest lock_timeout of the handlers, which
+	// judges a lease that a record from before migration 0002 lacks, as
+	// their retries judge it.
+	lockTimeout time.Duration
 }
 
 // describeDSN names a DSN's database without its credentials.
@@ -134,15 +139,25 @@ func addConfigStore(stores *[]*cliConfigStore, h map[string]any, repl *caddy.Rep
 	if raw, _ := h["credential_secret"].(string); raw != "" {
 		secret = []byte(repl.ReplaceKnown(raw, ""))
 	}
+	lockTimeout := defaultLockTimeout
+	if raw, ok := h["lock_timeout"]; ok {
+		js, _ := json.Marshal(raw)
+		var d caddy.Duration
+		if err := d.UnmarshalJSON(js); err != nil {
+			return fmt.Errorf("--config: lock_timeout: %v", err)
+		}
+		lockTimeout = time.Duration(d)
+	}
 	for _, s := range *stores {
 		if s.dsn == dsn && s.table == table {
 			if !bytes.Equal(s.secret, secret) {
 				s.secretsAgree = false
 			}
+			s.lockTimeout = max(s.lockTimeout, lockTimeout)
 			return nil
 		}
 	}
-	*stores = append(*stores, &cliConfigStore{dsn: dsn, table: table, secret: secret, secretsAgree: true})
+	*stores = append(*stores, &cliConfigStore{dsn: dsn, table: table, secret: secret, secretsAgree: true, lockTimeout: lockTimeout})
 	return nil
 }
 

@@ -28,6 +28,10 @@ type recordFilter struct {
 	limit        int
 	// withResponse: read the stored headers and body too.
 	withResponse bool
+	// lockTimeout is the handlers' lock timeout, by which the lease of a
+	// record written before migration 0002 (which has no locked_until)
+	// is judged, as a retry judges it (leaseEndSQL).
+	lockTimeout time.Duration
 }
 
 func (f recordFilter) matches(rk RecordKey) bool {
@@ -50,10 +54,28 @@ type inspectedRecord struct {
 	key     RecordKey
 	rec     Record
 	expired bool
-	// leaseEnded: in progress, and no live request owns it.
+	// leaseEnded: in progress, and its owner is gone (leaseEndSQL).
 	leaseEnded bool
+	// now is the store's clock when the record was read, for ages.
+	now time.Time
 	// stored sizes, which a listing gives without reading the response.
 	storedBody, storedHeaders *int
+}
+
+// lockState describes the lock of an in-progress record by the store's
+// clock: its age, and its lease.
+func (ir inspectedRecord) lockState() string {
+	age := ir.now.Sub(ir.rec.LockedAt).Round(time.Second)
+	until := ir.rec.LockedUntil
+	switch {
+	case until.IsZero() && ir.leaseEnded:
+		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), ended by lock_timeout", age)
+	case until.IsZero():
+		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), live by lock_timeout", age)
+	case ir.leaseEnded:
+		return fmt.Sprintf("locked %s ago, lease ended %s ago at %s", age, ir.now.Sub(until).Round(time.Second), until.Format(time.RFC3339))
+	}
+	return fmt.Sprintf("locked %s ago, lease live until %s (%s more)", age, until.Format(time.RFC3339), until.Sub(ir.now).Round(time.Second))
 }
 
 // inspector is implemented by the stores that an operator can look into
@@ -64,14 +86,66 @@ type inspector interface {
 	inspectRecords(ctx context.Context, f recordFilter) ([]inspectedRecord, error)
 	// deleteRecord deletes the record of key and wakes the requests
 	// that wait on it. Without force, only an in-progress record whose
-	// lease has ended: one that no live request owns. It returns the
-	// status of the record it deleted, or errNoRecord.
-	deleteRecord(ctx context.Context, key RecordKey, force bool) (Status, error)
+	// lease has ended (lockTimeout as in recordFilter): one that no live
+	// request owns. It returns the status of the record it deleted, or
+	// errNoRecord.
+	deleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error)
 }
 
-// errNoRecord: the record to delete is gone, or (without force) no
-// longer an in-progress record with an ended lease.
-var errNoRecord = errors.New("no such record")
+// The refusals of releaseRecord; its callers word them.
+var (
+	// errNoRecord: no record matches, or the record to delete is gone,
+	// or (without force) no longer in progress with an ended lease.
+	errNoRecord = errors.New("no such record")
+	// errAmbiguous: the credential id matches several credentials.
+	errAmbiguous = errors.New("several credentials match")
+	// errCompleted: without force, a record that is not in progress,
+	// whose retries are replayed.
+	errCompleted = errors.New("the record is not in progress")
+	// errLeaseLive: without force, a record in progress whose owner may
+	// still be running it.
+	errLeaseLive = errors.New("the record is in progress under a live lease")
+	// errChanged: the record changed between its reading and its
+	// deletion (completed, renewed or released meanwhile).
+	errChanged = errors.New("the record changed meanwhile")
+)
+
+// releaseRecord is the release of the admin API and the CLI alike: it
+// finds the one record of f's key that f selects and deletes it. Without
+// force, only an in-progress record whose owner is gone, by the rule of
+// a takeover and a renewal (its lease has ended by the store's clock);
+// the deletion checks it again, so a renewal that comes first keeps the
+// record. It returns the record as it was found, and one of the errors
+// above or the store's.
+func releaseRecord(ctx context.Context, store inspector, f recordFilter, force bool) (inspectedRecord, error) {
+	f.limit, f.withResponse = 2, false
+	recs, err := store.inspectRecords(ctx, f)
+	switch {
+	case err != nil:
+		return inspectedRecord{}, err
+	case len(recs) == 0:
+		return inspectedRecord{}, errNoRecord
+	case len(recs) > 1:
+		return inspectedRecord{}, errAmbiguous
+	}
+	rec := recs[0]
+	switch {
+	case force:
+	case rec.rec.Status != StatusInProgress:
+		return rec, errCompleted
+	case !rec.leaseEnded:
+		return rec, errLeaseLive
+	}
+	status, err := store.deleteRecord(ctx, rec.key, force, f.lockTimeout)
+	if errors.Is(err, errNoRecord) {
+		return rec, errChanged
+	}
+	if err != nil {
+		return rec, err
+	}
+	rec.rec.Status = status
+	return rec, nil
+}
 
 // parseCredentialID parses a credential id as the log lines print it
 // (credentialID): a hex prefix of a credential's keyed hash.
@@ -95,9 +169,9 @@ func (m *MemoryStore) inspectRecords(ctx context.Context, f recordFilter) ([]ins
 		if !f.matches(rk) {
 			continue
 		}
-		ir := inspectedRecord{key: rk, rec: rec.Record, expired: !now.Before(rec.ExpiresAt)}
+		ir := inspectedRecord{key: rk, rec: rec.Record, expired: !now.Before(rec.ExpiresAt), now: now}
 		ir.rec.TTL = rec.ExpiresAt.Sub(now)
-		ir.leaseEnded = rec.Status == StatusInProgress && !now.Before(rec.LockedUntil)
+		ir.leaseEnded = rec.Status == StatusInProgress && rec.leaseEnded(now)
 		if rec.Status == StatusCompleted {
 			body, headers := len(rec.response.data)-rec.response.headerEnd, rec.response.headerEnd
 			if !rec.response.replayable {
@@ -140,11 +214,11 @@ func (m *MemoryStore) inspectRecords(ctx context.Context, f recordFilter) ([]ins
 	return sorted, ctx.Err()
 }
 
-func (m *MemoryStore) deleteRecord(_ context.Context, key RecordKey, force bool) (Status, error) {
+func (m *MemoryStore) deleteRecord(_ context.Context, key RecordKey, force bool, _ time.Duration) (Status, error) {
 	s := m.records
 	s.mu.Lock()
 	rec, ok := s.m[key]
-	if !ok || (!force && (rec.Status != StatusInProgress || s.now().Before(rec.LockedUntil))) {
+	if !ok || (!force && (rec.Status != StatusInProgress || !rec.leaseEnded(s.now()))) {
 		s.mu.Unlock()
 		return "", errNoRecord
 	}
@@ -168,16 +242,16 @@ func (s *PostgresStore) inspectRecords(ctx context.Context, f recordFilter) ([]i
 	var out []inspectedRecord
 	for _, p := range prefixes {
 		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
-	expires_at <= now(), status = 'in_progress' AND (locked_until IS NULL OR locked_until <= now()),
+	expires_at <= now(), status = 'in_progress' AND `+leaseEndSQL("r", "$6::bigint"+microseconds)+` <= now(), now(),
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	locked_at, locked_until, response_status, replayable, response_size,
 	octet_length(response_body), octet_length(COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8'))),
 	`+response+`
-FROM `+s.table.quoted()+`
+FROM `+s.table.quoted()+` AS r
 WHERE credential_hash >= $1 AND ($2::bytea IS NULL OR credential_hash < $2)
 	AND ($3 = '' OR key = $3) AND ($4 = '' OR starts_with(key, $4))
 ORDER BY credential_hash, key
-LIMIT $5`, p, prefixEnd(p), f.key, f.keyPrefix, f.limit)
+LIMIT $5`, p, prefixEnd(p), f.key, f.keyPrefix, f.limit, f.lockTimeout.Microseconds())
 		if err != nil {
 			return nil, err
 		}
@@ -216,14 +290,14 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 		respHeaders, respBody  []byte
 	)
 	err := row.Scan(&credHash, &ir.key.Key, &status, &ir.rec.Method, &ir.rec.Path, &ir.rec.CreatedAt, &ir.rec.ExpiresAt,
-		&ir.expired, &ir.leaseEnded, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
+		&ir.expired, &ir.leaseEnded, &ir.now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
 		&storedBody, &storedHdrs, &respHeaders, &respBody)
 	if err != nil {
 		return ir, err
 	}
 	copy(ir.key.CredentialHash[:], credHash)
 	ir.rec.Status = Status(status)
-	ir.rec.CreatedAt, ir.rec.ExpiresAt = ir.rec.CreatedAt.UTC(), ir.rec.ExpiresAt.UTC()
+	ir.rec.CreatedAt, ir.rec.ExpiresAt, ir.now = ir.rec.CreatedAt.UTC(), ir.rec.ExpiresAt.UTC(), ir.now.UTC()
 	ir.rec.TTL = time.Duration(ttl) * time.Microsecond
 	if lockedAt != nil {
 		ir.rec.LockedAt = lockedAt.UTC()
@@ -252,25 +326,24 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 	return ir, nil
 }
 
-func (s *PostgresStore) deleteRecord(ctx context.Context, key RecordKey, force bool) (Status, error) {
+func (s *PostgresStore) deleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return "", err
 	}
 	defer func() { _ = tx.Rollback(context.Background()) }() // a no-op once committed
 	var status string
-	err = tx.QueryRow(ctx, `DELETE FROM `+s.table.quoted()+`
+	err = tx.QueryRow(ctx, `DELETE FROM `+s.table.quoted()+` AS r
 WHERE credential_hash = $1 AND key = $2
-	AND ($3 OR (status = 'in_progress' AND (locked_until IS NULL OR locked_until <= now())))
-RETURNING status`, key.CredentialHash[:], key.Key, force).Scan(&status)
+	AND ($3 OR (status = 'in_progress' AND `+leaseEndSQL("r", "$4::bigint"+microseconds)+` <= now()))
+RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microseconds()).Scan(&status)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", errNoRecord
 	}
 	if err != nil {
 		return "", err
 	}
-	// Wakes the requests of handlers with `wait`, on every instance, as
-	// the CLI's release does.
+	// Wakes the requests of handlers with `wait`, on every instance.
 	if _, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, notifyChannel(s.table), notifyPayload(key)); err != nil {
 		return "", err
 	}

@@ -168,8 +168,14 @@ func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken)
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	return m.records.owned(key, token, func(rec *memoryRecord) {
+	// A lease that has ended is not renewed: from then on a retry or an
+	// operator may take the record (leaseEnded).
+	ended := false
+	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		now := m.records.now()
+		if ended = rec.leaseEnded(now); ended {
+			return
+		}
 		rec.LockedAt, rec.LockedUntil = now, now.Add(rec.lease)
 		// The record must outlive its lease; a later expiry keeps
 		// earliest a lower bound.
@@ -177,6 +183,10 @@ func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken)
 			rec.ExpiresAt = rec.LockedUntil
 		}
 	})
+	if ended {
+		return ErrLockLost
+	}
+	return err
 }
 
 // Prune implements Store. It holds the lock for one batch at a time, so
@@ -267,6 +277,11 @@ type memoryRecord struct {
 	response packedResponse
 }
 
+// leaseEnded is "the owner is gone", the one rule of a takeover, a
+// renewal and a non-forced release alike: the lease of the in-progress
+// record has run out.
+func (rec *memoryRecord) leaseEnded(now time.Time) bool { return !now.Before(rec.LockedUntil) }
+
 func newMemoryRecords(maxEntries int, now func() time.Time) *memoryRecords {
 	return &memoryRecords{now: now, maxEntries: maxEntries, m: make(map[RecordKey]*memoryRecord)}
 }
@@ -305,7 +320,7 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		}
 		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
 	}
-	if rec.token == req.Token && rec.Status == StatusInProgress && now.Before(rec.LockedUntil) {
+	if rec.token == req.Token && rec.Status == StatusInProgress && !rec.leaseEnded(now) {
 		// The Store contract: an earlier attempt of this acquire.
 		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
 	}
@@ -313,7 +328,7 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 	// under the same key must get its mismatch, not run in place of a
 	// request that may have executed. The lease is the record's, set by
 	// its owner's lock timeout, not the retrier's.
-	if rec.Status == StatusInProgress && now.After(rec.LockedUntil) && rec.Fingerprint == req.Fingerprint {
+	if rec.Status == StatusInProgress && rec.leaseEnded(now) && rec.Fingerprint == req.Fingerprint {
 		// A fresh retention, as the Postgres store gives: a record that
 		// expired under its new owner would let yet another request run.
 		rec.token, rec.lease = req.Token, req.LockTimeout

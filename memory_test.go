@@ -131,7 +131,8 @@ func TestMemoryTakeover(t *testing.T) {
 	first := memTestRequest("takeover-key")
 	mustAcquire(t, s, first, OutcomeCreated)
 
-	clock.advance(memTestLockTimeout)
+	// The lease ends at LockedUntil: until then it is live.
+	clock.advance(memTestLockTimeout - time.Nanosecond)
 	retry := memTestRequest("takeover-key")
 	if rec := mustAcquire(t, s, retry, OutcomeExisting); rec.Status != StatusInProgress {
 		t.Fatalf("status %s", rec.Status)

@@ -332,11 +332,23 @@ const recordColumns = `status, fingerprint, method, path, created_at, expires_at
 const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
 	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
 
-// leaseEnd is when the lease of the in-progress row r ends, in an ON
-// CONFLICT clause: locked_until, or for rows written before migration
-// 0002, locked_at plus the lock timeout of the request that asks (the
-// length of the lease it would set).
-const leaseEnd = `COALESCE(r.locked_until, r.locked_at + (excluded.locked_until - excluded.locked_at))`
+// leaseEndSQL is when the lease of the in-progress row row ends:
+// locked_until, or for rows written before migration 0002, locked_at
+// plus lockTimeout (an SQL interval), the lock timeout of whoever asks.
+//
+// "The owner is gone" is one rule, that of a takeover, a renewal and a
+// non-forced release alike: the lease has ended, leaseEndSQL <= now() by
+// the database's clock. A renewal succeeds only while it is live
+// (locked_until > now(): the rows an owner renews always have one), and
+// the row lock orders it with a takeover or a release, so a late owner
+// never renews a record that either could have taken.
+func leaseEndSQL(row, lockTimeout string) string {
+	return fmt.Sprintf(`COALESCE(%[1]s.locked_until, %[1]s.locked_at + %[2]s)`, row, lockTimeout)
+}
+
+// leaseEnd is leaseEndSQL in an ON CONFLICT clause, whose asker is the
+// request that would take over, with the lease it would set.
+var leaseEnd = leaseEndSQL("r", "(excluded.locked_until - excluded.locked_at)")
 
 // microseconds turns a parameter of microseconds into an interval: the
 // batched statements take durations as arrays of bigint.
@@ -367,13 +379,16 @@ WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'c
 		gone: fmt.Sprintf(`SELECT NOT EXISTS (SELECT FROM %s WHERE credential_hash = $1 AND key = $2)`, table),
 
 		// The lease keeps the length its owner gave it at acquire; the
-		// record must outlive it.
+		// record must outlive it. A lease that has ended is not renewed
+		// (leaseEndSQL): from then on a retry or an operator may take
+		// the record.
 		renew: ownedStatement(table, false, `UPDATE %[1]s AS r SET
 	locked_at = now(),
 	locked_until = now() + (r.locked_until - r.locked_at),
 	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
 FROM input AS i
-WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`),
+WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'
+	AND r.locked_until > now()`),
 
 		// ctid lets the batch be picked through the expires_at index and
 		// deleted without a second lookup. Rows that a batch of acquires
@@ -477,7 +492,7 @@ func acquireSQL(table string) statement {
 	WHERE (r.expires_at <= now() AND (r.status = 'completed' OR %[6]s <= now()))
 		OR (r.status = 'in_progress'
 			AND r.fingerprint = excluded.fingerprint
-			AND %[6]s < now())
+			AND %[6]s <= now())
 	RETURNING credential_hash, key, created_at = now() AS fresh
 )
 SELECT i.n, CASE
