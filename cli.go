@@ -20,7 +20,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -308,11 +307,11 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 		}
 		target := cliTarget{key: key, credential: credential}
 		if raw := fl.String("credential-secret"); raw != "" {
-			secret := caddy.NewReplacer().ReplaceKnown(raw, "")
-			if err := checkCredentialSecret(secret); err != nil {
+			secret, err := resolveCredentialSecret(raw)
+			if err != nil {
 				return cliTarget{}, fmt.Errorf("--credential-secret: %v", err)
 			}
-			target.secret = []byte(secret)
+			target.secret = secret
 		}
 		return target, nil
 	case fl.String("credential-secret") != "":
@@ -342,6 +341,9 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 	}
 	secret := t.secret
 	if secret == nil && db.config != nil && db.config.secretsAgree {
+		if db.config.secretErr != nil {
+			return db.config.secretErr
+		}
 		secret = db.config.secret
 	}
 	if secret == nil {
@@ -437,7 +439,7 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 func (db *cliDB) explain(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
-		return fmt.Errorf("table %s does not exist: create it with `caddy idempotency migrate --table %s`", db.table, db.table)
+		return fmt.Errorf("table %s does not exist: the store's table may have another name (pass it with --table, as the store's table option, or use --config); if it is a new store, create it with `caddy idempotency migrate --table %s`", db.table, db.table)
 	}
 	return err
 }

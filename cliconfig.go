@@ -7,6 +7,7 @@ package idempotency
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -31,6 +32,10 @@ type cliConfigStore struct {
 	// secretsAgree is false when the handlers disagree on it: a raw
 	// credential then needs --credential-secret.
 	secretsAgree bool
+	// secretErr is why a handler's credential_secret is refused, as the
+	// server refuses it at start (unset, too short): a raw credential
+	// cannot be hashed as the handlers would.
+	secretErr error
 	// lockTimeout is the longest lock_timeout of the handlers, which
 	// judges a lease that a record from before migration 0002 lacks, as
 	// their retries judge it.
@@ -136,8 +141,11 @@ func addConfigStore(stores *[]*cliConfigStore, h map[string]any, repl *caddy.Rep
 		return fmt.Errorf("--config: %v", err)
 	}
 	var secret []byte
+	var secretErr error
 	if raw, _ := h["credential_secret"].(string); raw != "" {
-		secret = []byte(repl.ReplaceKnown(raw, ""))
+		if secret, secretErr = resolveCredentialSecret(raw); secretErr != nil {
+			secretErr = fmt.Errorf("--config: %w", secretErr)
+		}
 	}
 	lockTimeout := defaultLockTimeout
 	if raw, ok := h["lock_timeout"]; ok {
@@ -153,11 +161,12 @@ func addConfigStore(stores *[]*cliConfigStore, h map[string]any, repl *caddy.Rep
 			if !bytes.Equal(s.secret, secret) {
 				s.secretsAgree = false
 			}
+			s.secretErr = cmp.Or(s.secretErr, secretErr)
 			s.lockTimeout = max(s.lockTimeout, lockTimeout)
 			return nil
 		}
 	}
-	*stores = append(*stores, &cliConfigStore{dsn: dsn, table: table, secret: secret, secretsAgree: true, lockTimeout: lockTimeout})
+	*stores = append(*stores, &cliConfigStore{dsn: dsn, table: table, secret: secret, secretsAgree: true, secretErr: secretErr, lockTimeout: lockTimeout})
 	return nil
 }
 

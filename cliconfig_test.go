@@ -71,3 +71,57 @@ func TestCLIConfig(t *testing.T) {
 		exitUsage, "is its environment variable set")
 	wantCLI(t, runCLI(t, env, "migrate", "--config", one, "--dsn", dsn), exitUsage, "not both")
 }
+
+// A credential_secret that --config resolves to nothing, or to a secret
+// too short, is refused as the server refuses it, naming its placeholder:
+// hashing under "" or "short" finds no record, and would say so under
+// the table's stored secret, which was not used. The server names the
+// placeholder too; and a table missing under the default name may have
+// another.
+func TestCLIConfigSecretChecked(t *testing.T) {
+	dsn := testDSN(t)
+	sb := postgresBackend(t)
+	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "migrate", "--table", sb.Table), exitOK)
+	config := filepath.Join(t.TempDir(), "Caddyfile")
+	if err := os.WriteFile(config, []byte(fmt.Sprintf(`http://127.0.0.1:1 {
+	idempotency {
+		store postgres {
+			dsn {env.TEST_IDEMPOTENCY_DSN}
+			table %s
+		}
+		credential_secret {env.TEST_IDEMPOTENCY_A4_SECRET}
+	}
+	respond "ok"
+}
+`, sb.Table)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	target := []string{"inspect", "--config", config, "--key", newKey(), "--credential", "-"}
+	for secret, want := range map[string]string{"": "is empty", "short": "5 bytes, fewer than 32"} {
+		env := []string{"TEST_IDEMPOTENCY_DSN=" + dsn}
+		if secret != "" {
+			env = append(env, "TEST_IDEMPOTENCY_A4_SECRET="+secret)
+		}
+		res := runCLIInput(t, defaultCred+"\n", env, target...)
+		wantCLI(t, res, exitError, "credential_secret {env.TEST_IDEMPOTENCY_A4_SECRET}", want)
+		if strings.Contains(res.stdout+res.stderr, "no record") {
+			t.Errorf("secret %q: the CLI looked the record up: %s", secret, res)
+		}
+	}
+
+	t.Setenv("TEST_IDEMPOTENCY_A4_SECRET", "")
+	err := loadErr(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		credential_secret {env.TEST_IDEMPOTENCY_A4_SECRET}
+	}
+	respond "ok"
+}
+`, freeTCPPort(t)))
+	if !strings.Contains(err.Error(), "credential_secret {env.TEST_IDEMPOTENCY_A4_SECRET} is empty") {
+		t.Errorf("load error %v, want one naming the placeholder", err)
+	}
+
+	missing := freshTable(t)
+	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "prune", "--table", missing), exitError,
+		missing+" does not exist", "another name", "--table")
+}

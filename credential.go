@@ -109,6 +109,24 @@ func checkCredentialSecret(secret string) error {
 	return nil
 }
 
+// resolveCredentialSecret resolves the placeholders of a configured
+// credential_secret, as the server does at start and the CLI with
+// --config, and refuses what checkCredentialSecret refuses. Its errors
+// name the placeholder, never the secret.
+func resolveCredentialSecret(raw string) ([]byte, error) {
+	secret := caddy.NewReplacer().ReplaceKnown(raw, "")
+	if !hasPlaceholder(raw) {
+		return []byte(secret), checkCredentialSecret(secret)
+	}
+	if secret == "" {
+		return nil, fmt.Errorf("credential_secret %s is empty once its placeholders are replaced: is its environment variable set?", raw)
+	}
+	if err := checkCredentialSecret(secret); err != nil {
+		return nil, fmt.Errorf("credential_secret %s: %w", raw, err)
+	}
+	return []byte(secret), nil
+}
+
 // checkCredentialPlaceholder refuses a credential that is not exactly one
 // placeholder. A caller whose placeholder is empty must get 401, not the
 // scope of everyone else whose placeholder is empty, which text around it
@@ -231,11 +249,11 @@ func (h *Handler) provisionCredentials(store any) error {
 	if h.CredentialSecret != "" {
 		// Resolved here, never written back: the config keeps the
 		// placeholder, and the secret stays out of it.
-		secret := caddy.NewReplacer().ReplaceKnown(h.CredentialSecret, "")
-		if err := checkCredentialSecret(secret); err != nil {
+		secret, err := resolveCredentialSecret(h.CredentialSecret)
+		if err != nil {
 			return err
 		}
-		h.credKey.hasher.Store(newCredentialHasher([]byte(secret)))
+		h.credKey.hasher.Store(newCredentialHasher(secret))
 		return nil
 	}
 	src, ok := store.(secretSource)
