@@ -121,8 +121,9 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 		t.Errorf("%v acquires for %d waiters over 1.5s, want 3 or 4 each: polling?", n, waiters)
 	}
 
-	// A stuck record (its instance died; the lock is fresh for an hour):
-	// a waiter is woken by the CLI's release and executes.
+	// A stuck record (its instance died; the lock is fresh for an hour,
+	// so the operator forces the release): a waiter is woken by the
+	// CLI's release and executes.
 	stuck := call{Key: newKey(), Body: payBody()}
 	wantExecuted(t, s.Do(t, stuck), http.StatusCreated)
 	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
@@ -137,7 +138,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 		return acquires()-base >= 2 // its first look and the one after registering
 	})
 	start := time.Now()
-	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + sb.DSN}, "release", "--table", sb.Table,
+	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + sb.DSN}, "release", "--force", "--table", sb.Table,
 		"--key", stuck.Key, "--credential", defaultCred), exitOK)
 	r := <-waiterCh
 	wantExecuted(t, r, http.StatusCreated)
