@@ -9,7 +9,8 @@ package idempotency
 // `go test` run it is skipped.
 //
 //	IDEMPOTENCY_BENCH_CEILING  acquire_complete | acquire_complete_batched | lookup | lookup_batched |
-//	                           replay_statement | preload | prune
+//	                           replay_statement | preload | prune | pgbench
+//	IDEMPOTENCY_BENCH_SCRIPTS                   pgbench: where to write its scripts
 //	IDEMPOTENCY_BENCH_DSN, _TABLE, _CONCURRENCY, _DURATION, _WARMUP, _MAX_CONNS
 //	IDEMPOTENCY_BENCH_RUN, _KEYS, _CREDENTIAL   the keys (bench/load.Key) of the rows
 //	IDEMPOTENCY_BENCH_ROWS, _EXPIRED            preload: how many rows, expired or live
@@ -18,11 +19,17 @@ package idempotency
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -56,7 +63,8 @@ func TestBenchCeilingSmoke(t *testing.T) {
 		"DSN": testDSN(t), "TABLE": table, "RUN": "smoke000", "KEYS": "1",
 		"CONCURRENCY": "2", "WARMUP": "0s", "DURATION": "500ms", "ROWS": "300", "EXPIRED": "1",
 	}
-	for _, mode := range []string{"acquire_complete", "acquire_complete_batched", "lookup", "lookup_batched", "replay_statement", "preload", "prune"} {
+	settings["SCRIPTS"] = t.TempDir()
+	for _, mode := range []string{"acquire_complete", "acquire_complete_batched", "lookup", "lookup_batched", "replay_statement", "preload", "prune", "pgbench"} {
 		out := benchCeiling(t, mode, func(name, def string) string {
 			if name == "RUN" && mode == "acquire_complete_batched" {
 				return "smoke001" // keys of its own: the other modes' are taken
@@ -73,6 +81,7 @@ func TestBenchCeilingSmoke(t *testing.T) {
 			t.Errorf("pruned %v rows, want the 300 expired ones preloaded", out["rows"])
 		}
 	}
+	pgbenchSmoke(t, testDSN(t), settings["SCRIPTS"])
 }
 
 // benchCeiling runs mode with the settings env gives, and returns what
@@ -223,8 +232,13 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		total, err = s.Prune(ctx, pruneBatchSize)
 		out["rows"] = total
 		out["seconds"] = time.Since(start).Seconds()
+	case "pgbench":
+		// The same statements for pgbench -M prepared (the runner runs
+		// it): scripts in SCRIPTS, and KEYS completed records for the
+		// lookup script to find.
+		err = writePgbenchScripts(ctx, s, env("SCRIPTS", "."), credHash, int(keys), resp)
 	default:
-		t.Fatalf("IDEMPOTENCY_BENCH_CEILING=%q: want acquire_complete, acquire_complete_batched, lookup, lookup_batched, replay_statement, preload or prune", mode)
+		t.Fatalf("IDEMPOTENCY_BENCH_CEILING=%q: want acquire_complete, acquire_complete_batched, lookup, lookup_batched, replay_statement, preload, prune or pgbench", mode)
 	}
 	if err != nil {
 		t.Fatalf("%s: %v", mode, err)
@@ -379,4 +393,107 @@ FROM generate_series($3::int, $4::int) AS i`, s.table.quoted(), nonce, expires),
 	// preload may include that checkpoint.
 	_, _ = s.pool.Exec(ctx, "CHECKPOINT")
 	return nil
+}
+
+// writePgbenchScripts writes the store ceiling and the lookup ceiling as
+// pgbench scripts into dir: first.sql runs a first execution's acquire
+// and complete, lookup.sql a replay's lookup, each the store's own
+// statement text for one request, with its parameters as pgbench
+// variables (which -M prepared sends as parameters of a prepared
+// statement, as pgx does). vars.txt holds the constant variables, one
+// -D argument a line. A new key per transaction is a random number, so
+// the keys of lookup.sql are the numbers 1..keys, completed here.
+func writePgbenchScripts(ctx context.Context, s *PostgresStore, dir string, credHash [32]byte, keys int, resp *Response) error {
+	hexa := func(b []byte) string { return `\x` + hex.EncodeToString(b) }
+	token := newLockToken()
+	fp := sha256.Sum256([]byte("pgbench"))
+	c := completion{status: int32(resp.Status), headers: encodeHeaders(resp.Header), body: resp.Body,
+		replayable: resp.Replayable, size: resp.BodySize, retention: defaultRetention}
+	acquireArgs := []string{hexa(credHash[:]), "", hexa(fp[:]), http.MethodPost, "/v1/charges", hexa(token[:]),
+		strconv.FormatInt(defaultRetention.Microseconds(), 10), strconv.FormatInt(defaultLockTimeout.Microseconds(), 10)}
+	completeArgs := []string{hexa(credHash[:]), "", hexa(token[:]), strconv.Itoa(int(c.status)), hexa(c.headers), hexa(c.body),
+		strconv.FormatBool(c.replayable), strconv.FormatInt(c.size, 10), strconv.FormatInt(c.retention.Microseconds(), 10)}
+	var vars []string
+	// script rewrites $n as :<prefix><n>, the key ($2) as :k.
+	param := regexp.MustCompile(`\$([0-9]+)`)
+	script := func(prefix, sql string, args []string) (string, error) {
+		var bad error
+		out := param.ReplaceAllStringFunc(sql, func(m string) string {
+			n, _ := strconv.Atoi(m[1:])
+			if n < 1 || n > len(args) {
+				bad = fmt.Errorf("%s: parameter %s of %d", prefix, m, len(args))
+				return m
+			}
+			if n == 2 {
+				return ":k"
+			}
+			return fmt.Sprintf(":%s%d", prefix, n)
+		})
+		for i, a := range args {
+			if i != 1 {
+				vars = append(vars, fmt.Sprintf("%s%d=%s", prefix, i+1, a))
+			}
+		}
+		// pgbench ends a statement at a semicolon, and knows no tabs
+		// from spaces: one statement a line.
+		return strings.Join(strings.Fields(out), " ") + ";\n", bad
+	}
+	acquire, err := script("a", s.sql.acquire.one, acquireArgs)
+	if err != nil {
+		return err
+	}
+	complete, err := script("c", s.sql.complete.one, completeArgs)
+	if err != nil {
+		return err
+	}
+	lookup, err := script("l", s.sql.lookup, []string{hexa(credHash[:]), ""})
+	if err != nil {
+		return err
+	}
+	files := map[string]string{
+		"first.sql":  "\\set k random(1, 1000000000000000)\n" + acquire + complete,
+		"lookup.sql": fmt.Sprintf("\\set k random(1, %d)\n", keys) + lookup,
+		"vars.txt":   strings.Join(vars, "\n") + "\n",
+	}
+	for name, text := range files {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(text), 0o644); err != nil {
+			return err
+		}
+	}
+	for i := 1; i <= keys; i++ {
+		req := AcquireRequest{
+			Key: RecordKey{CredentialHash: credHash, Key: strconv.Itoa(i)}, Token: token, Fingerprint: fp,
+			Method: http.MethodPost, Path: "/v1/charges", LockTimeout: defaultLockTimeout, Retention: defaultRetention,
+		}
+		if _, err := s.Acquire(ctx, req); err != nil {
+			return err
+		}
+		if err := s.Complete(ctx, req.Key, token, resp, defaultRetention); err != nil && !errors.Is(err, ErrLockLost) {
+			return err
+		}
+	}
+	return nil
+}
+
+// pgbenchSmoke runs the scripts that writePgbenchScripts wrote into dir
+// for a moment, so that the benchmark's pgbench rows cannot rot: every
+// transaction must succeed, and the lookups must find their records.
+func pgbenchSmoke(t *testing.T, dsn, dir string) {
+	vars, err := os.ReadFile(filepath.Join(dir, "vars.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, script := range []string{"first.sql", "lookup.sql"} {
+		args := []string{"-n", "-M", "prepared", "-c", "2", "-t", "20", "-f", filepath.Join(dir, script)}
+		for _, v := range strings.Fields(string(vars)) {
+			args = append(args, "-D", v)
+		}
+		out, err := exec.Command("pgbench", append(args, dsn)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("pgbench %s: %v\n%s", script, err, out)
+		}
+		if !strings.Contains(string(out), "number of failed transactions: 0") && strings.Contains(string(out), "failed") {
+			t.Errorf("pgbench %s failed transactions:\n%s", script, out)
+		}
+	}
 }

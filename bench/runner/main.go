@@ -17,8 +17,11 @@
 //	7b  Caddy respond with the same ~1 KiB body
 //	7c  (for reference) the replay statement, acquire on a completed key, through the store
 //	7d  batched lookup ceiling: the lookups in flight together share a statement
+//	6p, 7p  rows 6 and 7a through pgbench -M prepared: the store's own
+//	    statements, as an outside measurement of the SQL alone runs them
 //
-// and prints requests/s, p50 and p99 for each, and the ratios,
+// and prints requests/s, p50, p99 and Caddy's CPU per request for each,
+// and the ratios,
 // computed from figures of this run only. -scale adds the scale runs
 // (5M rows, pruning 1M expired rows under load, RSS under 64 concurrent
 // 1 MiB bodies); -pools sweeps the Postgres pool size.
@@ -231,19 +234,23 @@ func (r runNames) name(row string) string { return fmt.Sprintf("%s%-4.4s", r.pre
 
 // tables are the Postgres tables of one run.
 type tables struct {
-	dsn    string
-	main   string // rows 2, 3, 4, 7a, 7c, 7d and the scale runs
-	store  string // rows 6 and 6b: an empty table, as row 2 starts from
-	pools  string
-	others []string
+	dsn   string
+	main  string // rows 2, 3, 4, 7a, 7c, 7d and the scale runs
+	store string // rows 6 and 6b: an empty table, as row 2 starts from
+	// pgbench is rows 6p and 7p's: their records have numbers for keys,
+	// which pgbench can make.
+	pgbench string
+	pools   string
+	others  []string
 }
 
 func newTables(cfg config, prefix string) *tables {
 	return &tables{
-		dsn:   cfg.dsn,
-		main:  "bench_" + prefix + "_main",
-		store: "bench_" + prefix + "_ceiling",
-		pools: "bench_" + prefix + "_pools",
+		dsn:     cfg.dsn,
+		main:    "bench_" + prefix + "_main",
+		store:   "bench_" + prefix + "_ceiling",
+		pgbench: "bench_" + prefix + "_pgbench",
+		pools:   "bench_" + prefix + "_pools",
 	}
 }
 
@@ -253,7 +260,7 @@ func (t *tables) drop(ctx context.Context) {
 		return
 	}
 	defer conn.Close(ctx)
-	for _, name := range append([]string{t.main, t.store, t.pools}, t.others...) {
+	for _, name := range append([]string{t.main, t.store, t.pgbench, t.pools}, t.others...) {
 		_, _ = conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{name}.Sanitize())
 		_, _ = conn.Exec(ctx, "DELETE FROM idempotency_schema_migrations WHERE table_name = $1", name)
 	}
@@ -572,7 +579,33 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 			return nil, err
 		}
 	}
-	order := []string{"1", "2", "3", "4", "5a", "5b", "6", "6b", "7a", "7b", "7c", "7d"}
+	if selected("6p") || selected("7p") {
+		// The same statements through pgbench -M prepared, the tool an
+		// outside measurement uses for a store's SQL alone: scripts from
+		// the store's own text, on tables of their own.
+		dir := filepath.Join(b.logs, "pgbench")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, err
+		}
+		if _, _, err := b.runCeiling(ctx, "pgbench-prepare", "pgbench", map[string]string{
+			"TABLE": t.pgbench, "SCRIPTS": dir, "KEYS": strconv.Itoa(keys)}); err != nil {
+			return nil, err
+		}
+		for _, r := range []struct{ id, what, script string }{
+			{"6p", "store ceiling: acquire + complete via pgbench", "first.sql"},
+			{"7p", "lookup ceiling: replay SELECT via pgbench", "lookup.sql"},
+		} {
+			if !selected(r.id) {
+				continue
+			}
+			progress("row %s: %s", r.id, r.what)
+			m, err := b.runPgbench(ctx, "row"+r.id, dir, r.script)
+			if err := add(row{ID: r.id, What: r.what, measurement: m}, err); err != nil {
+				return nil, err
+			}
+		}
+	}
+	order := []string{"1", "2", "3", "4", "5a", "5b", "6", "6b", "6p", "7a", "7b", "7c", "7d", "7p"}
 	sorted := make([]row, 0, len(rows))
 	for _, id := range order {
 		for _, r := range rows {

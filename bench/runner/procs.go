@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -187,7 +188,7 @@ type measurement struct {
 // window early when it is closed.
 func (b *bench) runLoad(ctx context.Context, name, addr string, warmup time.Duration, stop <-chan struct{}, args ...string) (measurement, error) {
 	args = append([]string{"-addr", addr, "-c", fmt.Sprint(b.cfg.concurrency)}, args...)
-	return b.measure(ctx, name, "loadgen", exec.Command(filepath.Join(b.bin, "loadgen"), args...), warmup, stop, func(out []byte) (load.Result, error) {
+	return b.measure(ctx, name, "loadgen", exec.Command(filepath.Join(b.bin, "loadgen"), args...), warmup, stop, func(out, _ []byte) (load.Result, error) {
 		var r load.Result
 		err := json.Unmarshal(bytes.TrimSpace(out), &r)
 		return r, err
@@ -214,7 +215,7 @@ func (b *bench) runCeiling(ctx context.Context, name, mode string, env map[strin
 	if mode == "preload" || mode == "prune" {
 		warmup = 0
 	}
-	m, err := b.measure(ctx, name, "pgx client", cmd, warmup, nil, func([]byte) (load.Result, error) {
+	m, err := b.measure(ctx, name, "pgx client", cmd, warmup, nil, func([]byte, []byte) (load.Result, error) {
 		data, err := os.ReadFile(outPath)
 		if err != nil {
 			return load.Result{}, err
@@ -232,8 +233,8 @@ func (b *bench) runCeiling(ctx context.Context, name, mode string, env map[strin
 }
 
 // measure runs cmd, snapshots the CPU after warmup and at the end, and
-// parses its result.
-func (b *bench) measure(ctx context.Context, name, category string, cmd *exec.Cmd, warmup time.Duration, stop <-chan struct{}, parse func([]byte) (load.Result, error)) (measurement, error) {
+// parses its result from its output (stdout, stderr).
+func (b *bench) measure(ctx context.Context, name, category string, cmd *exec.Cmd, warmup time.Duration, stop <-chan struct{}, parse func(stdout, stderr []byte) (load.Result, error)) (measurement, error) {
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Start(); err != nil {
@@ -270,7 +271,7 @@ func (b *bench) measure(ctx context.Context, name, category string, cmd *exec.Cm
 	if err != nil {
 		return measurement{}, fmt.Errorf("%s: %v\n%s%s", name, err, lastLines(stdout.String(), 20), lastLines(stderr.String(), 20))
 	}
-	res, err := parse(stdout.Bytes())
+	res, err := parse(stdout.Bytes(), stderr.Bytes())
 	if err != nil {
 		return measurement{}, fmt.Errorf("%s: reading the result: %v\n%s", name, err, lastLines(stdout.String()+stderr.String(), 20))
 	}
@@ -283,4 +284,55 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n") + "\n"
+}
+
+// runPgbench runs pgbench -M prepared on script (in dir, with the
+// constant variables of its vars.txt; see writePgbenchScripts in
+// ceiling_test.go) at the benchmark's concurrency, for the warmup and the
+// row's duration, and measures the seconds after the warmup from
+// pgbench's per-second progress reports.
+func (b *bench) runPgbench(ctx context.Context, name, dir, script string) (measurement, error) {
+	vars, err := os.ReadFile(filepath.Join(dir, "vars.txt"))
+	if err != nil {
+		return measurement{}, err
+	}
+	total := b.cfg.warmup + b.cfg.duration
+	args := []string{"-n", "-M", "prepared", "-c", fmt.Sprint(b.cfg.concurrency), "-j", fmt.Sprint(runtime.NumCPU()),
+		"-T", fmt.Sprint(int(total.Round(time.Second).Seconds())), "-P", "1", "-f", filepath.Join(dir, script)}
+	for _, v := range strings.Fields(string(vars)) {
+		args = append(args, "-D", v)
+	}
+	cmd := exec.Command("pgbench", append(args, b.cfg.dsn)...)
+	// The CPU sampler tells the benchmark's Postgres backends by their
+	// application_name, as the DSN of the pgx rows sets it.
+	cmd.Env = append(os.Environ(), "PGAPPNAME=idempotency-bench")
+	warmup := b.cfg.warmup.Round(time.Second)
+	return b.measure(ctx, name, "pgx client", cmd, warmup, nil, func(_, stderr []byte) (load.Result, error) {
+		return pgbenchProgress(stderr, warmup)
+	})
+}
+
+// pgbenchProgress reads pgbench's "progress: 3.0 s, 1480.1 tps, ..."
+// lines and sums the transactions of the seconds after warmup.
+func pgbenchProgress(out []byte, warmup time.Duration) (load.Result, error) {
+	var res load.Result
+	for _, line := range strings.Split(string(out), "\n") {
+		var at, tps float64
+		if _, err := fmt.Sscanf(line, "progress: %f s, %f tps", &at, &tps); err != nil {
+			continue
+		}
+		if at <= warmup.Seconds() {
+			continue
+		}
+		res.Requests += int64(tps + 0.5)
+		res.Seconds++
+		if strings.Contains(line, "failed") && !strings.Contains(line, " 0 failed") {
+			res.Errors++
+		}
+	}
+	if res.Seconds == 0 {
+		return res, fmt.Errorf("no progress report after the %s warmup", warmup)
+	}
+	res.RPS = float64(res.Requests) / res.Seconds
+	return res, nil
 }
