@@ -293,5 +293,107 @@ func replayCacheArg(d *caddyfile.Dispenser, dst **int64) error {
 	return nil
 }
 
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
+//
+//	memory {
+//		max_entries <n>
+//	}
+func (m *MemoryStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the backend name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for d.NextBlock(0) {
+		switch d.Val() {
+		case "max_entries":
+			if m.MaxEntries != 0 {
+				return d.Err("max_entries already specified")
+			}
+			if !d.NextArg() {
+				return d.ArgErr()
+			}
+			n, err := strconv.Atoi(d.Val())
+			if err != nil || n <= 0 {
+				return d.Errf("max_entries must be a positive integer, got %q", d.Val())
+			}
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			m.MaxEntries = n
+		default:
+			return d.Errf("unrecognized memory store option %q", d.Val())
+		}
+	}
+	return nil
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
+//
+//	postgres {
+//	    dsn       <connection string>
+//	    table     <name>
+//	    max_conns <n>
+//	    migrate   on|off
+//	}
+//
+// The first token is the backend name, postgres.
+func (s *PostgresStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // the backend name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	seen := make(map[string]bool)
+	for d.NextBlock(0) {
+		opt := d.Val()
+		if seen[opt] {
+			return d.Errf("postgres store: %s specified more than once", opt)
+		}
+		seen[opt] = true
+		var arg string
+		switch opt {
+		case "dsn":
+			if !d.AllArgs(&s.DSN) {
+				return d.ArgErr()
+			}
+		case "table":
+			if !d.AllArgs(&arg) {
+				return d.ArgErr()
+			}
+			if _, err := parseTableName(arg); err != nil {
+				return d.Errf("postgres store: %v", err)
+			}
+			s.Table = arg
+		case "max_conns":
+			if !d.AllArgs(&arg) {
+				return d.ArgErr()
+			}
+			n, err := strconv.ParseInt(arg, 10, 32)
+			if err != nil || n <= 0 {
+				return d.Errf("postgres store: max_conns must be a positive integer, not %q", arg)
+			}
+			s.MaxConns = int32(n)
+		case "migrate":
+			if !d.AllArgs(&arg) {
+				return d.ArgErr()
+			}
+			switch arg {
+			case "on":
+				s.Migrate = nil // the default, kept out of the JSON
+			case "off":
+				off := false
+				s.Migrate = &off
+			default:
+				return d.Errf("postgres store: migrate must be on or off, not %q", arg)
+			}
+		default:
+			return d.Errf("postgres store: unrecognized option %q", opt)
+		}
+	}
+	if s.DSN == "" {
+		return d.Err("postgres store: dsn is required")
+	}
+	return nil
+}
+
 // Interface guards
 var _ caddyfile.Unmarshaler = (*Handler)(nil)

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -212,40 +211,6 @@ func (m *MemoryStore) Prune(ctx context.Context, batchSize int) (int64, error) {
 			return total, nil
 		}
 	}
-}
-
-// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
-//
-//	memory {
-//		max_entries <n>
-//	}
-func (m *MemoryStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the backend name
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	for d.NextBlock(0) {
-		switch d.Val() {
-		case "max_entries":
-			if m.MaxEntries != 0 {
-				return d.Err("max_entries already specified")
-			}
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			n, err := strconv.Atoi(d.Val())
-			if err != nil || n <= 0 {
-				return d.Errf("max_entries must be a positive integer, got %q", d.Val())
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			m.MaxEntries = n
-		default:
-			return d.Errf("unrecognized memory store option %q", d.Val())
-		}
-	}
-	return nil
 }
 
 // memoryRecords is the state a MemoryStore shares through memoryPool.
