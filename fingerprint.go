@@ -5,8 +5,6 @@ import (
 	"cmp"
 	"crypto/sha256"
 	"encoding/binary"
-	"errors"
-	"fmt"
 	"hash"
 	"io"
 	"maps"
@@ -22,96 +20,6 @@ import (
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
-
-const (
-	minKeyLen = 8
-	maxKeyLen = 255
-	keyRule   = "idempotency key must be 8 to 255 printable ASCII characters (0x20 to 0x7E)"
-)
-
-var (
-	errKeyEdgeSpace    = errors.New("idempotency key must not begin or end with a space; to send such a key, quote it as a structured field string")
-	errKeyUnterminated = errors.New("idempotency key starts with a double quote but has no closing quote")
-	errKeyBadEscape    = errors.New(`idempotency key is a quoted string with an invalid escape: only \" and \\ are allowed`)
-	errKeyAfterClosing = errors.New("idempotency key has characters after its closing quote; send the quoted key alone, without parameters")
-)
-
-// parseKey validates the value of the key header (contract step 1) and
-// returns the key it names. Error messages are written for the client,
-// without the header's name, which is configurable.
-//
-// A value that starts with a double quote is the IETF draft's form, an
-// RFC 8941 sf-string, and names the key between the quotes: `"abcdefgh"`
-// and `abcdefgh` are the same key. Parameters after the string are
-// rejected rather than ignored, as none are defined.
-//
-// No whitespace is trimmed: HTTP/1 already strips it around field values
-// and HTTP/2 and HTTP/3 reject values that carry it, so a space still at
-// either end of a bare key did not come from a conforming client, and
-// trimming it would make "k " and "k" one key on one path and two on
-// another. Inside quotes every character is explicit and kept.
-func parseKey(raw string) (string, error) {
-	if strings.HasPrefix(raw, `"`) {
-		return parseQuotedKey(raw)
-	}
-	if len(raw) < minKeyLen || len(raw) > maxKeyLen {
-		return "", fmt.Errorf("%s; got %d bytes", keyRule, len(raw))
-	}
-	for i := 0; i < len(raw); i++ {
-		if c := raw[i]; c < 0x20 || c > 0x7e {
-			return "", fmt.Errorf("%s; byte %d is 0x%02X", keyRule, i+1, c)
-		}
-	}
-	if raw[0] == ' ' || raw[len(raw)-1] == ' ' {
-		return "", errKeyEdgeSpace
-	}
-	return raw, nil
-}
-
-// parseQuotedKey parses an RFC 8941 sf-string: printable ASCII between
-// double quotes, where only `\"` and `\\` are escapes.
-func parseQuotedKey(raw string) (string, error) {
-	// Every key byte takes at most two bytes quoted: no need to scan more.
-	if len(raw) > 2*maxKeyLen+2 {
-		return "", fmt.Errorf("%s; got a %d-byte value", keyRule, len(raw))
-	}
-	var (
-		b       []byte // the unescaped key, once an escape was seen
-		escaped bool
-	)
-	for i := 1; i < len(raw); i++ {
-		c := raw[i]
-		switch {
-		case c == '\\':
-			if i+1 == len(raw) || raw[i+1] != '"' && raw[i+1] != '\\' {
-				return "", errKeyBadEscape
-			}
-			if !escaped {
-				b = append(make([]byte, 0, len(raw)), raw[1:i]...)
-				escaped = true
-			}
-			i++
-			b = append(b, raw[i])
-		case c == '"':
-			if i != len(raw)-1 {
-				return "", errKeyAfterClosing
-			}
-			key := raw[1:i]
-			if escaped {
-				key = string(b)
-			}
-			if len(key) < minKeyLen || len(key) > maxKeyLen {
-				return "", fmt.Errorf("%s; got %d between the quotes", keyRule, len(key))
-			}
-			return key, nil
-		case c < 0x20 || c > 0x7e:
-			return "", fmt.Errorf("%s; byte %d is 0x%02X", keyRule, i+1, c)
-		case escaped:
-			b = append(b, c)
-		}
-	}
-	return "", errKeyUnterminated
-}
 
 // isJSONContentType reports whether a Content-Type names JSON:
 // application/json or any structured syntax suffix +json (RFC 6839),

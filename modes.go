@@ -5,9 +5,7 @@ package idempotency
 // when it would refuse a request; the path itself is in module.go.
 
 import (
-	"bytes"
 	"fmt"
-	"io"
 	"net/http"
 	"time"
 
@@ -166,22 +164,4 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		return pass(refused.result)
 	}
 	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
-}
-
-// restoreBody hands the request body on to the next handler after
-// readBody consumed it. When readBody stopped early (bodyErr is set),
-// body is the part it read, and the rest still waits in the original
-// body. The key headers are re-filed as ServeHTTP does before executing.
-func restoreBody(r *http.Request, body []byte, bodyErr *problem) {
-	if bodyErr != nil {
-		r.Body = struct {
-			io.Reader
-			io.Closer
-		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
-	} else {
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		r.ContentLength = int64(len(body))
-		r.TransferEncoding = nil
-	}
-	hideKeyFromTransport(r.Header)
 }

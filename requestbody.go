@@ -6,6 +6,7 @@ package idempotency
 // each one.
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -190,4 +191,22 @@ func (h *Handler) validateBodyBudget() error {
 		return fmt.Errorf("request_body_budget (%d bytes) must be at least max_request_body plus 128KiB (%d bytes), so that a body of the largest size fits", h.RequestBodyBudget, floor)
 	}
 	return nil
+}
+
+// restoreBody hands the request body on to the next handler after
+// readBody consumed it. When readBody stopped early (bodyErr is set),
+// body is the part it read, and the rest still waits in the original
+// body. The key headers are re-filed as ServeHTTP does before executing.
+func restoreBody(r *http.Request, body []byte, bodyErr *problem) {
+	if bodyErr != nil {
+		r.Body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(body), r.Body), r.Body}
+	} else {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		r.ContentLength = int64(len(body))
+		r.TransferEncoding = nil
+	}
+	hideKeyFromTransport(r.Header)
 }
