@@ -209,8 +209,8 @@ type Handler struct {
 	// under them. (From the acquire on: one that is still in flight when
 	// the pool closes may commit all the same.)
 	executing *atomic.Int64
-	// renewer renews the locks of the requests running (renew.go).
-	renewer *lockRenewer
+	// keeper renews the locks of the requests running (renew.go).
+	keeper *lockKeeper
 	// bodyBudget bounds the request bodies buffered at once
 	// (requestbody.go).
 	bodyBudget *bodyBudget
@@ -289,7 +289,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
 	h.executing = new(atomic.Int64)
-	h.renewer = newLockRenewer(h)
+	h.keeper = newLockKeeper(h)
 	if ps, ok := mod.(*PostgresStore); ok {
 		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
 			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))

@@ -40,7 +40,7 @@ func renewLocks(ctx context.Context, store Store, locks []HeldLock) []error {
 	return errs
 }
 
-// lockRenewer keeps the locks of a handler's requests in progress alive.
+// lockKeeper keeps the locks of a handler's requests in progress alive.
 // Renewing each lock on a timer of its own cost a statement per lock per
 // interval, and under load those statements queue with everything else;
 // one tick renews every lock that is due at once. A tick comes every
@@ -54,22 +54,22 @@ func renewLocks(ctx context.Context, store Store, locks []HeldLock) []error {
 // renewals of the ticks after it. A lock whose renewal has had no answer
 // for an interval is sent again with the next tick, beside the first
 // attempt, which is left to succeed or fail on its own.
-type lockRenewer struct {
+type lockKeeper struct {
 	h  *Handler
 	mu sync.Mutex
 	// held is the locks of the requests running; timer is set while it
 	// is not empty.
-	held  map[*heldLock]struct{}
+	held  map[*keptLock]struct{}
 	timer *time.Timer
 }
 
-func newLockRenewer(h *Handler) *lockRenewer {
-	return &lockRenewer{h: h, held: make(map[*heldLock]struct{})}
+func newLockKeeper(h *Handler) *lockKeeper {
+	return &lockKeeper{h: h, held: make(map[*keptLock]struct{})}
 }
 
-// heldLock is one request's lock. Its fields after credID are guarded by
-// the renewer's mu.
-type heldLock struct {
+// keptLock is one request's lock. Its fields after credID are guarded by
+// the keeper's mu.
+type keptLock struct {
 	lock        HeldLock
 	key, credID string
 	// lockedSince is when the lock was last dated: when the acquire, or
@@ -89,7 +89,7 @@ type heldLock struct {
 	stopped bool
 }
 
-func (r *lockRenewer) period() time.Duration { return r.h.renewInterval() / 2 }
+func (r *lockKeeper) period() time.Duration { return r.h.renewInterval() / 2 }
 
 // keepLock renews the lock while the request runs, so that a request
 // slower than LockTimeout is not taken over by a retry. The store dates
@@ -104,8 +104,8 @@ func (r *lockRenewer) period() time.Duration { return r.h.renewInterval() / 2 }
 // and the lease must not run out behind it while a retry could take the
 // record over and execute it a second time.
 func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) *lease {
-	r := h.renewer
-	l := &heldLock{lock: HeldLock{Key: rk, Token: token}, key: key, credID: credID, lockedSince: lockedSince}
+	r := h.keeper
+	l := &keptLock{lock: HeldLock{Key: rk, Token: token}, key: key, credID: credID, lockedSince: lockedSince}
 	r.mu.Lock()
 	r.held[l] = struct{}{}
 	if r.timer == nil {
@@ -117,8 +117,8 @@ func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lo
 
 // lease is a request's hold on its lock, as keepLock renews it.
 type lease struct {
-	r *lockRenewer
-	l *heldLock
+	r *lockKeeper
+	l *keptLock
 }
 
 // since is when the lock was last dated.
@@ -151,12 +151,12 @@ func (ls *lease) stop() {
 
 // tick sends the renewal of the locks that are due, then sets the next
 // tick if any lock is still held.
-func (r *lockRenewer) tick() {
+func (r *lockKeeper) tick() {
 	start := time.Now()
 	period, interval := r.period(), r.h.renewInterval()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	var due []*heldLock
+	var due []*keptLock
 	for l := range r.held {
 		switch {
 		case l.lost:
@@ -178,7 +178,7 @@ func (r *lockRenewer) tick() {
 }
 
 // renew renews due in one round trip and records each lock's outcome.
-func (r *lockRenewer) renew(due []*heldLock) {
+func (r *lockKeeper) renew(due []*keptLock) {
 	locks := make([]HeldLock, len(due))
 	for i, l := range due {
 		locks[i] = l.lock

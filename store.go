@@ -12,9 +12,13 @@ import (
 // the namespace "http.handlers.idempotency.stores", selected by the
 // "backend" field of the handler's "store" object.
 //
-// Every method is one round trip to the backing store: the request path
-// costs exactly two (Acquire, Complete) for a first execution and one
-// (Acquire) for a replay.
+// A request's path costs two statements of the store (Acquire,
+// Complete) for a first execution and one (Acquire) for a replay, none
+// when the replay cache answers it (roundtrip_test.go counts them). A
+// statement is not always a round trip of its own: the Postgres store
+// sends the calls of concurrent requests together (pgbatch.go), and a
+// call whose reply was lost may cost a second statement that finds out
+// what the first did.
 type Store interface {
 	// Acquire atomically either creates an in_progress record owned by
 	// req.Token, with a lease of req.LockTimeout, or returns the record
