@@ -48,9 +48,10 @@ soak:
 	IDEMPOTENCY_SOAK=1 IDEMPOTENCY_CADDY_RACE=1 go test -race -count=1 -run '^TestInvariantExactlyOnce$$' -v -timeout 60m .
 
 fuzz:
-	for f in FuzzParseKey FuzzCanonicalJSON FuzzCaddyfile FuzzRecorder; do \
+	for f in FuzzParseKey FuzzFingerprintStreams FuzzCaddyfile FuzzRecorder; do \
 		go test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; \
 	done
+	go test -run '^$$' -fuzz '^FuzzCanonicalJSON$$' -fuzztime $(FUZZTIME) ./internal/canonjson
 
 # The benchmark (bench/, docs/performance.md): every row side by side on
 # this machine, with the ratios of issue 5, then the micro-benchmarks.
@@ -70,7 +71,7 @@ bench-pools:
 	go run ./bench/runner -pools 4,8,16,32
 
 bench-micro:
-	go test -run '^$$' -bench 'FingerprintJSON2KiB|CanonicalJSON|Recorder|Replay|FirstExecution|DecodeHeaderJSON' -benchmem -count 1 .
+	go test -run '^$$' -bench 'FingerprintJSON2KiB|CanonicalJSON|Recorder|Replay|FirstExecution|DecodeHeaderJSON' -benchmem -count 1 . ./internal/canonjson
 
 # The failover figures of docs/high-availability.md: five runs on a
 # synchronous standby (the test `make test` runs once), then asynchronous

@@ -4,6 +4,8 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+
+	"github.com/caddy-idempotency/idempotency/internal/canonjson"
 )
 
 // TestFingerprintMemory: canonicalising a body costs memory of a small
@@ -32,7 +34,7 @@ func TestFingerprintMemory(t *testing.T) {
 		members.WriteString(`"` + string(rune('a'+i%26)) + `":0`)
 	}
 	members.WriteString("}")
-	nested := strings.Repeat(`{"a":`, canonMaxDepth-1) + "0" + strings.Repeat("}", canonMaxDepth-1)
+	nested := strings.Repeat(`{"a":`, canonjson.MaxDepth-1) + "0" + strings.Repeat("}", canonjson.MaxDepth-1)
 
 	for _, c := range []struct {
 		name  string
@@ -44,7 +46,7 @@ func TestFingerprintMemory(t *testing.T) {
 		{"tiny objects", repeat("[", `{"a":0}`, "]"), 2},
 		{"deep nesting", repeat("[", nested, "]"), 2.5},
 		{"deep nesting, empty names", repeat("[", strings.ReplaceAll(nested, `"a"`, `""`), "]"), 2.6},
-		{"nested arrays", repeat("[", strings.Repeat("[", canonMaxDepth-1)+"0"+strings.Repeat("]", canonMaxDepth-1), "]"), 0.1},
+		{"nested arrays", repeat("[", strings.Repeat("[", canonjson.MaxDepth-1)+"0"+strings.Repeat("]", canonjson.MaxDepth-1), "]"), 0.1},
 	} {
 		if _, ok := canonicalJSON(nil, c.body); !ok {
 			t.Fatalf("%s: not canonicalised", c.name)

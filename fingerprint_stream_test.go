@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+
+	"github.com/caddy-idempotency/idempotency/internal/canonjson"
 )
 
 // referenceFingerprint is fingerprint computed the plain way: the whole
@@ -24,6 +26,45 @@ func referenceFingerprint(h requestHead, body []byte) [32]byte {
 		}
 	}
 	return sha256.Sum256(append(append(buf, bodyRaw), body...))
+}
+
+// canonicalJSON is the canonical form of body, as fingerprint hashes it.
+func canonicalJSON(dst, body []byte) ([]byte, bool) {
+	return new(canonjson.State).Append(dst, body, nil)
+}
+
+// TestFingerprintHostileNestingHashedRaw: a body nested far past the
+// canonicaliser's limit is hashed raw.
+func TestFingerprintHostileNestingHashedRaw(t *testing.T) {
+	const depth = 100_000
+	for name, body := range map[string]string{
+		"arrays":   strings.Repeat("[", depth) + strings.Repeat("]", depth),
+		"objects":  strings.Repeat(`{"a":`, depth) + "1" + strings.Repeat("}", depth),
+		"unclosed": strings.Repeat("[", depth),
+	} {
+		h := head("/", "", "application/json")
+		if fingerprint(h, []byte(body)) != referenceFingerprint(h, []byte(body)) {
+			t.Fatalf("%s: a body that cannot be canonicalised is not hashed raw", name)
+		}
+	}
+}
+
+// FuzzFingerprintStreams: the fingerprint streamed through the hash is
+// that of the whole input built in memory, whatever the body.
+func FuzzFingerprintStreams(f *testing.F) {
+	for _, seed := range []string{
+		`{"a":1,"b":2}`, `{ "b": 2, "a": 1 }`, `[1.0, -0, 1e-7, "\u00e9", "é", null, true, false]`,
+		`{"a":{"d":[{"y":1,"x":2}],"c":{}},"a":[]}`, `{"\ud83d\ude00":1,"\ud800":2,"\u0061":3,"a":4}`,
+		`{"a":1}x`, `[1,]`, "\"\xff\"", strings.Repeat("[", canonjson.MaxDepth+1),
+		`{"amount":1,"b":0,"AMOUNT":2}`, `{"\u212a":1,"k":2,"s":3,"\u017f":4}`, `{"user_id":1,"userid":2}`,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, in []byte) {
+		if got, want := fingerprint(head("/", "", "application/json"), in), referenceFingerprint(head("/", "", "application/json"), in); got != want {
+			t.Fatalf("the streamed fingerprint of %q differs from the whole-input one", in)
+		}
+	})
 }
 
 // head is the requestHead of a POST to example.com with one Content-Type

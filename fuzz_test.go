@@ -1,8 +1,9 @@
 package idempotency
 
-// Fuzz targets for the parsers and the recorder (key parsing and JSON
-// canonicalisation are fuzzed in fingerprint_test.go). `go test` runs
-// their seed corpora, testdata/fuzz/<name>; `make fuzz` fuzzes each.
+// Fuzz targets for the parsers and the recorder (key parsing is fuzzed
+// in key_test.go, the fingerprint in fingerprint_stream_test.go, JSON
+// canonicalisation in internal/canonjson). `go test` runs their seed
+// corpora, testdata/fuzz/<name>; `make fuzz` fuzzes each.
 
 import (
 	"bytes"

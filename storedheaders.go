@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"net/http"
+
+	"github.com/caddy-idempotency/idempotency/internal/canonjson"
 )
 
 // headerFormatBinary starts the binary encoding of stored headers. JSON
@@ -101,37 +103,37 @@ func decodeHeaderJSON(b []byte) (http.Header, error) {
 }
 
 // parseHeaderJSON parses {"name": ["value", ...] or null, ...}, with the
-// string scanner and unescaper of the fingerprint (fingerprint.go), which
+// string scanner and unescaper of the fingerprint's canonicaliser, which
 // decode as encoding/json does. It reports false for anything else,
 // including invalid UTF-8, which encoding/json replaces rather than
 // rejects.
 func parseHeaderJSON(b []byte) (http.Header, bool) {
-	i := skipJSONSpace(b, 0)
+	i := canonjson.SkipSpace(b, 0)
 	if i >= len(b) || b[i] != '{' {
 		return nil, false
 	}
 	h := make(http.Header, 8)
-	i = skipJSONSpace(b, i+1)
+	i = canonjson.SkipSpace(b, i+1)
 	if i < len(b) && b[i] == '}' {
-		return h, skipJSONSpace(b, i+1) == len(b)
+		return h, canonjson.SkipSpace(b, i+1) == len(b)
 	}
 	for {
 		name, next, ok := parseJSONStringAt(b, i)
 		if !ok {
 			return nil, false
 		}
-		i = skipJSONSpace(b, next)
+		i = canonjson.SkipSpace(b, next)
 		if i >= len(b) || b[i] != ':' {
 			return nil, false
 		}
-		i = skipJSONSpace(b, i+1)
+		i = canonjson.SkipSpace(b, i+1)
 		var values []string
 		switch {
 		case i+4 <= len(b) && string(b[i:i+4]) == "null":
 			i += 4
 		case i < len(b) && b[i] == '[':
 			values = []string{}
-			i = skipJSONSpace(b, i+1)
+			i = canonjson.SkipSpace(b, i+1)
 			if i < len(b) && b[i] == ']' {
 				i++
 				break
@@ -142,7 +144,7 @@ func parseHeaderJSON(b []byte) (http.Header, bool) {
 					return nil, false
 				}
 				values = append(values, v)
-				i = skipJSONSpace(b, next)
+				i = canonjson.SkipSpace(b, next)
 				if i >= len(b) {
 					return nil, false
 				}
@@ -153,23 +155,23 @@ func parseHeaderJSON(b []byte) (http.Header, bool) {
 				if b[i] != ',' {
 					return nil, false
 				}
-				i = skipJSONSpace(b, i+1)
+				i = canonjson.SkipSpace(b, i+1)
 			}
 		default:
 			return nil, false
 		}
 		h[name] = values
-		i = skipJSONSpace(b, i)
+		i = canonjson.SkipSpace(b, i)
 		if i >= len(b) {
 			return nil, false
 		}
 		if b[i] == '}' {
-			return h, skipJSONSpace(b, i+1) == len(b)
+			return h, canonjson.SkipSpace(b, i+1) == len(b)
 		}
 		if b[i] != ',' {
 			return nil, false
 		}
-		i = skipJSONSpace(b, i+1)
+		i = canonjson.SkipSpace(b, i+1)
 	}
 }
 
@@ -179,12 +181,12 @@ func parseJSONStringAt(b []byte, i int) (string, int, bool) {
 	if i >= len(b) || b[i] != '"' {
 		return "", 0, false
 	}
-	end, escaped := scanJSONString(b, i)
+	end, escaped := canonjson.ScanString(b, i)
 	if end < 0 {
 		return "", 0, false
 	}
 	if !escaped {
 		return string(b[i+1 : end-1]), end, true
 	}
-	return string(appendUnescapedJSON(nil, b[i+1:end-1])), end, true
+	return string(canonjson.AppendUnescaped(nil, b[i+1:end-1])), end, true
 }
