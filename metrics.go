@@ -17,7 +17,8 @@ import (
 // they are unbounded, and a credential's hash is not for a dashboard.
 // Nor the Host header, which the client chooses: the server label is the
 // name of the config's HTTP server, as Caddy's own caddy_http_* metrics
-// label it, so the two join.
+// label it, so the two join. Every series but the process's body budget
+// carries it, so that a dashboard shows one server's traffic alone.
 const (
 	metricsNamespace = "caddy"
 	metricsSubsystem = "idempotency"
@@ -35,45 +36,45 @@ var (
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "store_duration_seconds",
-		Help:      "Duration of store round trips, by operation.",
+		Help:      "Duration of store round trips, by HTTP server and operation.",
 		// From a sub-millisecond memory store to the 5s store timeout.
 		Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
-	}, []string{"operation"})
+	}, []string{"server", "operation"})
 
 	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "store_errors_total",
-		Help:      "Failed store operations, by operation (a lost lock is not a failure; startup: an attempt to migrate a store or read its secret, retried).",
-	}, []string{"operation"})
+		Help:      "Failed store operations, by HTTP server and operation (a lost lock is not a failure; startup: an attempt to migrate a store or read its secret, retried).",
+	}, []string{"server", "operation"})
 
-	lockTakeovers = prometheus.NewCounter(prometheus.CounterOpts{
+	lockTakeovers = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "lock_takeovers_total",
-		Help:      "In-progress records whose stale lock a retry took over (their owner presumably died).",
-	})
+		Help:      "In-progress records whose stale lock a retry took over (their owner presumably died), by HTTP server.",
+	}, []string{"server"})
 
 	lockLost = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "lock_lost_total",
-		Help:      "Renewals, completions and releases that found their lock taken over (idempotency.lock_lost), by operation.",
-	}, []string{"operation"})
+		Help:      "Renewals, completions and releases that found their lock taken over (idempotency.lock_lost), by HTTP server and operation.",
+	}, []string{"server", "operation"})
 
-	notReplayable = prometheus.NewCounter(prometheus.CounterOpts{
+	notReplayable = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "not_replayable_total",
-		Help:      "Retries answered 409 because the first response was not stored for replay (their result is rejected).",
-	})
+		Help:      "Retries answered 409 because the first response was not stored for replay (their result is rejected), by HTTP server.",
+	}, []string{"server"})
 
-	prunedRecords = prometheus.NewCounter(prometheus.CounterOpts{
+	prunedRecords = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "pruned_records_total",
-		Help:      "Expired records deleted by this instance's pruning.",
-	})
+		Help:      "Expired records deleted by this instance's pruning, by the HTTP server of the handler that pruned.",
+	}, []string{"server"})
 
 	bodyBudgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
@@ -89,13 +90,13 @@ var (
 		Help:      "Bytes of request bodies buffered now, as reserved from request_body_budget.",
 	}, bufferedBodyBytes)
 
-	replayAge = prometheus.NewHistogram(prometheus.HistogramOpts{
+	replayAge = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "replay_age_seconds",
-		Help:      "Age of the record at each replay: how long after the first request its retries come.",
+		Help:      "Age of the record at each replay: how long after the first request its retries come, by HTTP server.",
 		Buckets:   []float64{.1, .5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 12 * 3600, 24 * 3600},
-	})
+	}, []string{"server"})
 )
 
 // The store operations, as the operation label names them. Their
@@ -109,10 +110,6 @@ const (
 	opPrune    = "prune"
 )
 
-// startupErrors counts the failed attempts of Postgres stores to start
-// (startup.go), from 0 so that an alert works before the first one.
-var startupErrors = storeErrors.WithLabelValues("startup")
-
 type opMetrics struct {
 	duration prometheus.Observer
 	errors   prometheus.Counter
@@ -120,24 +117,46 @@ type opMetrics struct {
 	lockLost prometheus.Counter
 }
 
-var storeOps = func() map[string]opMetrics {
-	m := make(map[string]opMetrics)
+// storeMetrics are the series a handler's store operations count in, on
+// its HTTP server. They are looked up once: the request path should not
+// hash label values.
+type storeMetrics struct {
+	ops       map[string]opMetrics
+	takeovers prometheus.Counter
+	pruned    prometheus.Counter
+}
+
+func newStoreMetrics(server string) *storeMetrics {
+	m := &storeMetrics{
+		ops:       make(map[string]opMetrics),
+		takeovers: lockTakeovers.WithLabelValues(server),
+		pruned:    prunedRecords.WithLabelValues(server),
+	}
 	for _, op := range []string{opAcquire, opComplete, opRelease, opRenew, opPrune} {
-		m[op] = opMetrics{duration: storeDuration.WithLabelValues(op), errors: storeErrors.WithLabelValues(op)}
+		m.ops[op] = opMetrics{duration: storeDuration.WithLabelValues(server, op), errors: storeErrors.WithLabelValues(server, op)}
 	}
 	for _, op := range []string{opComplete, opRelease, opRenew} {
-		om := m[op]
-		om.lockLost = lockLost.WithLabelValues(op)
-		m[op] = om
+		om := m.ops[op]
+		om.lockLost = lockLost.WithLabelValues(server, op)
+		m.ops[op] = om
 	}
 	return m
-}()
+}
+
+// startupErrors is the counter of the failed attempts of a Postgres store
+// provisioned by ctx to start (startup.go), created at 0 so that an alert
+// works before the first one.
+func startupErrors(ctx caddy.Context) prometheus.Counter {
+	return storeErrors.WithLabelValues(serverName(ctx), "startup")
+}
 
 // handlerMetrics is what a handler counts its requests with: the name of
 // its HTTP server, and that server's counters by result.
 type handlerMetrics struct {
-	server  string
-	results map[string]prometheus.Counter
+	server        string
+	results       map[string]prometheus.Counter
+	notReplayable prometheus.Counter
+	replayAge     prometheus.Observer
 }
 
 // resultCounters returns the counter of every result that enforcing mode
@@ -173,9 +192,14 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 			return err
 		}
 	}
-	h.store = instrumentedStore{h.store}
 	server := serverName(ctx)
-	h.metrics = handlerMetrics{server: server, results: resultCounters(server)}
+	h.store = instrumentedStore{h.store, newStoreMetrics(server)}
+	h.metrics = handlerMetrics{
+		server:        server,
+		results:       resultCounters(server),
+		notReplayable: notReplayable.WithLabelValues(server),
+		replayAge:     replayAge.WithLabelValues(server),
+	}
 	return nil
 }
 
@@ -196,14 +220,17 @@ func (h *Handler) countResult(repl *caddy.Replacer) {
 
 // instrumentedStore times each round trip of the store it wraps and
 // counts takeovers, lost locks and pruned records. It adds no round trip.
-type instrumentedStore struct{ Store }
+type instrumentedStore struct {
+	Store
+	m *storeMetrics
+}
 
 // observe records one round trip. An error is a store failure unless
 // the caller gave up (a client that left, a config that unloaded) or
 // lost its lock; a store that timed out has failed. Every lost lock the
 // store reports is one idempotency.lock_lost line of the handler.
-func observe(ctx context.Context, op string, start time.Time, err error) {
-	m := storeOps[op]
+func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, err error) {
+	m := s.m.ops[op]
 	m.duration.Observe(time.Since(start).Seconds())
 	m.count(ctx, err)
 }
@@ -225,9 +252,9 @@ func (m opMetrics) count(ctx context.Context, err error) {
 func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
 	start := time.Now()
 	res, err := s.Store.Acquire(ctx, req)
-	observe(ctx, opAcquire, start, err)
+	s.observe(ctx, opAcquire, start, err)
 	if err == nil && res.Outcome == OutcomeTakenOver {
-		lockTakeovers.Inc()
+		s.m.takeovers.Inc()
 	}
 	return res, err
 }
@@ -235,29 +262,29 @@ func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (Acq
 func (s instrumentedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
 	start := time.Now()
 	err := s.Store.Complete(ctx, key, token, resp, retention)
-	observe(ctx, opComplete, start, err)
+	s.observe(ctx, opComplete, start, err)
 	return err
 }
 
 func (s instrumentedStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
 	start := time.Now()
 	err := s.Store.Release(ctx, key, token)
-	observe(ctx, opRelease, start, err)
+	s.observe(ctx, opRelease, start, err)
 	return err
 }
 
 func (s instrumentedStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
 	start := time.Now()
 	err := s.Store.Renew(ctx, key, token)
-	observe(ctx, opRenew, start, err)
+	s.observe(ctx, opRenew, start, err)
 	return err
 }
 
 func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, error) {
 	start := time.Now()
 	n, err := s.Store.Prune(ctx, batchSize)
-	observe(ctx, opPrune, start, err)
-	prunedRecords.Add(float64(n))
+	s.observe(ctx, opPrune, start, err)
+	s.m.pruned.Add(float64(n))
 	return n, err
 }
 
@@ -270,7 +297,7 @@ var _ Store = instrumentedStore{}
 func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
 	start := time.Now()
 	errs := renewLocks(ctx, s.Store, locks)
-	m := storeOps[opRenew]
+	m := s.m.ops[opRenew]
 	m.duration.Observe(time.Since(start).Seconds())
 	for _, err := range errs {
 		m.count(ctx, err)

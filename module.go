@@ -636,7 +636,7 @@ func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.R
 		}
 		return h.finish(w, repl, d.result, d.prob, d.retryAfter)
 	}
-	replayAge.Observe(d.age)
+	h.metrics.replayAge.Observe(d.age)
 	repl.Set("http.idempotency.result", resultReplayed)
 	h.replay(w, r, rec.Response, d.gunzip)
 	return nil
@@ -682,7 +682,7 @@ func (h *Handler) decide(r *http.Request, rec *Record, fp [32]byte) decision {
 	if !resp.Replayable {
 		d := decided(resultRejected, probNotReplayable, 0, "idempotency.not_replayable",
 			zap.Int("original_status", resp.Status), zap.Int64("original_size", resp.BodySize))
-		d.counts = notReplayable
+		d.counts = h.metrics.notReplayable
 		return d
 	}
 	gunzip, prob := replayCoding(r, resp)

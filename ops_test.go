@@ -29,6 +29,13 @@ const (
 	// datasourceRef is how every panel and query names its data source:
 	// the dashboard's datasource variable, chosen at import.
 	datasourceRef = "${datasource}"
+	// dashboardUID is the dashboard's own uid: stable, so that a link or
+	// an alert's panel URL survives a re-import, which updates the
+	// dashboard in place instead of adding a copy.
+	dashboardUID = "caddy-idempotency"
+	// defaultRouteHandler is the route_handler variable's default: the
+	// handler of a Caddyfile site's route.
+	defaultRouteHandler = "subroute"
 )
 
 // The rules load, and their unit tests (synthetic series, the alerts
@@ -75,6 +82,7 @@ type grafanaDashboard struct {
 			Query      any
 			Definition string
 			Datasource *grafanaDatasource
+			Current    any
 		}
 	}
 	Panels []grafanaPanel
@@ -98,22 +106,22 @@ func loadDashboard(t *testing.T) (grafanaDashboard, map[string]any) {
 }
 
 // The dashboard imports as is into any Grafana: its data source is a
-// variable, no UID names a particular data source (or dashboard), and
-// every panel has what Grafana needs to draw it.
+// variable, no UID names a particular data source, its own uid is stable,
+// and every panel has what Grafana needs to draw it.
 func TestDashboardImportable(t *testing.T) {
 	d, raw := loadDashboard(t)
 	if d.Title == "" {
 		t.Errorf("the dashboard has no title")
 	}
-	if _, ok := raw["uid"]; ok {
-		t.Errorf("the dashboard has a uid: an import would clash with, or overwrite, a dashboard of the same uid")
+	if raw["uid"] != dashboardUID {
+		t.Errorf("the dashboard's uid is %v, want %q: without a stable uid every import adds a copy, and links to it break", raw["uid"], dashboardUID)
 	}
 	var walk func(path string, v any)
 	walk = func(path string, v any) {
 		switch v := v.(type) {
 		case map[string]any:
 			for k, e := range v {
-				if k == "uid" && e != datasourceRef {
+				if k == "uid" && e != datasourceRef && path != "dashboard" {
 					t.Errorf("%s.uid is %v: only %s may name a data source", path, e, datasourceRef)
 				}
 				walk(path+"."+k, e)
@@ -335,8 +343,16 @@ http://127.0.0.1:%d {
 	wantProblem(t, mem.Do(t, big), http.StatusConflict)
 	newSiteClient(t, srv, pDeadUpstream).Do(t, call{Key: newKey(), Body: payBody()})
 	wantProblem(t, newSiteClient(t, srv, pDeadStore).Do(t, call{Key: newKey(), Body: payBody()}), http.StatusServiceUnavailable)
+	const sent = 10 // the requests above
 
 	after := scrapeMetrics(t, admin)
+	// The dashboard counts Caddy's requests on the routes of its
+	// route_handler variable, by default subroute: a Caddyfile's sites,
+	// which each request enters once (Caddy counts one per top-level
+	// route it goes through).
+	if d := after.value("caddy_http_requests_total", "handler", defaultRouteHandler) - before.value("caddy_http_requests_total", "handler", defaultRouteHandler); d != sent {
+		t.Errorf("caddy_http_requests_total{handler=%q} grew by %v, want the %d requests sent", defaultRouteHandler, d, sent)
+	}
 	for _, result := range []string{resultExecuted, resultReplayed, resultMismatch, resultInProgress,
 		resultRejected, resultReleased, resultStoreError} {
 		if after.value("caddy_idempotency_requests_total", "result", result) <= before.value("caddy_idempotency_requests_total", "result", result) {
@@ -381,6 +397,9 @@ http://127.0.0.1:%d {
 			bucket = bucket || isBucket
 			for _, mm := range kitMatcher.FindAllStringSubmatch(m[2], -1) {
 				label, op, value := mm[1], mm[2], mm[3]
+				if label == "job" || label == "instance" {
+					continue // Prometheus adds them when it scrapes
+				}
 				values := labelValuesOf(fam, label)
 				if len(values) == 0 {
 					t.Errorf("%s: %s has no label %s", e.where, name, label)
@@ -404,6 +423,9 @@ http://127.0.0.1:%d {
 			}
 		}
 		for _, m := range labelValues.FindAllStringSubmatch(e.expr, -1) {
+			if m[2] == "job" || m[2] == "instance" {
+				continue
+			}
 			if fam, _ := servedFamily(after, m[1]); fam != nil && len(labelValuesOf(fam, m[2])) == 0 {
 				t.Errorf("%s: %s has no label %s", e.where, m[1], m[2])
 			}
@@ -425,5 +447,78 @@ http://127.0.0.1:%d {
 	}
 	if checked < 20 {
 		t.Errorf("only %d metric uses found in the kit: is the regexp still finding them?", checked)
+	}
+}
+
+// The dashboard's variables narrow every panel: a panel that ignores
+// $server, $job or $instance shows every server's (or every instance's)
+// traffic under a selection that says otherwise. Each variable's own
+// query is narrowed by the variables before it, so that its choices are
+// those of the selection.
+func TestDashboardQueriesFilterByItsVariables(t *testing.T) {
+	d, _ := loadDashboard(t)
+	// route_handler narrows Caddy's own series only.
+	var vars []string
+	var routeHandler any
+	for _, v := range d.Templating.List {
+		if v.Type == "query" && v.Name != "route_handler" {
+			vars = append(vars, v.Name)
+		}
+		if v.Name == "route_handler" {
+			routeHandler = v.Current
+		}
+	}
+	if m, _ := routeHandler.(map[string]any); m == nil || m["value"] != defaultRouteHandler {
+		t.Errorf("the route_handler variable's current value is %v, want %q", routeHandler, defaultRouteHandler)
+	}
+	for _, want := range []string{"job", "instance", "server"} {
+		if !slices.Contains(vars, want) {
+			t.Errorf("the dashboard has no %s variable (it has %v)", want, vars)
+		}
+	}
+	filters := func(selector, v string) bool {
+		for _, m := range kitMatcher.FindAllStringSubmatch(selector, -1) {
+			if m[1] == v && m[2] == "=~" && (m[3] == "$"+v || m[3] == "${"+v+"}") {
+				return true
+			}
+		}
+		return false
+	}
+	var selectors int
+	for _, p := range d.Panels {
+		for _, tg := range p.Targets {
+			for _, m := range kitSelector.FindAllStringSubmatch(tg.Expr, -1) {
+				selectors++
+				for _, v := range vars {
+					if !filters(m[2], v) {
+						t.Errorf("panel %q: %s%s does not filter by $%s", p.Title, m[1], m[2], v)
+					}
+				}
+				// Caddy counts a request once for each top-level route it
+				// goes through, labelled with the route's first handler:
+				// a sum over handlers counts one request several times.
+				if strings.HasPrefix(m[1], "caddy_http_") && !strings.Contains(m[2], `handler=~"$route_handler"`) {
+					t.Errorf("panel %q: %s%s sums every route's count of one request: filter on handler=~\"$route_handler\"", p.Title, m[1], m[2])
+				}
+			}
+		}
+	}
+	if selectors < 20 {
+		t.Errorf("only %d metric selectors found in the panels: is the regexp still finding them?", selectors)
+	}
+	for i, v := range d.Templating.List {
+		if v.Type != "query" {
+			continue
+		}
+		for _, before := range d.Templating.List[:i] {
+			if before.Type != "query" {
+				continue
+			}
+			for _, m := range kitSelector.FindAllStringSubmatch(v.Definition, -1) {
+				if !filters(m[2], before.Name) {
+					t.Errorf("variable %s: %s does not filter by $%s, so it offers choices outside the selection", v.Name, v.Definition, before.Name)
+				}
+			}
+		}
 	}
 }

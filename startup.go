@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 )
 
@@ -89,6 +90,10 @@ type startup struct {
 	// secret is the table's credential secret, read if a handler hashes
 	// under it (tableSecret) before ready is closed.
 	secret []byte
+
+	// errors counts the failed attempts, on the HTTP server of the
+	// handler whose store this is.
+	errors prometheus.Counter
 }
 
 // startStore sets up the start of s: by the app of ctx's config, or, for
@@ -96,7 +101,7 @@ type startup struct {
 // first use.
 func startStore(ctx caddy.Context, s *PostgresStore) error {
 	sctx, stop := context.WithCancel(ctx)
-	s.start = &startup{ctx: sctx, stop: stop, tried: make(chan struct{}), ready: make(chan struct{})}
+	s.start = &startup{ctx: sctx, stop: stop, tried: make(chan struct{}), ready: make(chan struct{}), errors: startupErrors(ctx)}
 	if !inConfig(ctx) {
 		return nil
 	}
@@ -188,7 +193,7 @@ func (s *PostgresStore) startLoop() {
 			return
 		}
 		failures++
-		startupErrors.Inc()
+		st.errors.Inc()
 		switch now := time.Now(); {
 		case failures == 1:
 			since, reminded = now, now
