@@ -78,24 +78,9 @@ type caddyProc struct {
 	waitErr error
 }
 
-// procGlobalOptions is the global options block of a process, with its
-// admin endpoint on a port of its own.
-func procGlobalOptions(logPath, admin string) string {
-	return fmt.Sprintf(`{
-	admin %s
-	auto_https off
-	persist_config off
-	grace_period 5s
-	log {
-		output file %s
-		format json
-	}
-}
-`, admin, logPath)
-}
-
 // startCaddyProc starts the built binary on sites (site blocks only; the
-// global options come from procGlobalOptions), waits until its admin
+// global options are its own, globalOptionsBlock's with a grace period
+// for the requests in flight), waits until its admin
 // endpoint answers, and stops it when the test ends.
 func startCaddyProc(t testing.TB, name, sites string) *caddyProc {
 	t.Helper()
@@ -153,7 +138,7 @@ func startCaddyProc(t testing.TB, name, sites string) *caddyProc {
 
 // caddyfile is the whole Caddyfile for sites.
 func (p *caddyProc) caddyfile(sites string) string {
-	return procGlobalOptions(p.LogPath, p.Admin) + sites
+	return globalOptionsBlock(p.LogPath, p.Admin, "5s", "INFO") + sites
 }
 
 // waitReady polls the admin endpoint until the config is loaded.

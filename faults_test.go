@@ -20,8 +20,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 )
 
 // throughForwarder returns dsn with its host replaced by the forwarder's.
@@ -323,11 +321,7 @@ func TestFaultPostgresConnectionsKilled(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	// The killer's own connection has another application_name.
-	killer, err := pgx.Connect(ctx, sb.DSN)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer killer.Close(context.Background())
+	killer := pgConnect(t, sb.DSN)
 	killerDone := make(chan int)
 	stopKiller := make(chan struct{})
 	go func() {

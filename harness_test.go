@@ -8,8 +8,10 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"mime"
@@ -17,33 +19,60 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 	"github.com/jackc/pgx/v5"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // caddyMu serialises tests that run Caddy: caddy.Load replaces the one
 // running config of the process.
 var caddyMu sync.Mutex
 
-// freeTCPPort returns a TCP port on 127.0.0.1 that nothing listens on now.
-func freeTCPPort(t testing.TB) int {
-	t.Helper()
+// TestMain stops what the tests started for the whole run: the test
+// database server and the Caddy binary.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	// setupTestPostgres runs lazily, on the first testDSN; its cleanup is
+	// set only once it ran, so a run that needed no Postgres starts none.
+	if cleanup := testPostgres.cleanup; cleanup != nil {
+		cleanup()
+	}
+	removeCaddyBinary() // built by the tests that run Caddy as a process
+	os.Exit(code)
+}
+
+// freePort returns a TCP port on 127.0.0.1 that nothing listens on now.
+func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatalf("free port: %v", err)
+		return 0, err
 	}
 	port := l.Addr().(*net.TCPAddr).Port
-	if err := l.Close(); err != nil {
+	return port, l.Close()
+}
+
+// freeTCPPort is freePort for a test, which fails if there is none.
+func freeTCPPort(t testing.TB) int {
+	t.Helper()
+	port, err := freePort()
+	if err != nil {
 		t.Fatalf("free port: %v", err)
 	}
 	return port
@@ -76,23 +105,31 @@ type caddyServer struct {
 	JSON []byte
 }
 
-// globalOptions is the global options block every test config starts with.
+// globalOptions is the global options block every in-process test config
+// starts with: it logs everything, which tests read, and stops at once.
 func globalOptions(logPath, admin string) string {
 	if admin == "" {
 		admin = "off"
 	}
+	return globalOptionsBlock(logPath, admin, "200ms", "DEBUG")
+}
+
+// globalOptionsBlock is the global options block of a test's Caddy, in
+// process (globalOptions) or not (caddyProc), logging JSON to logPath at
+// level with the admin endpoint admin.
+func globalOptionsBlock(logPath, admin, gracePeriod, level string) string {
 	return fmt.Sprintf(`{
 	admin %s
 	auto_https off
 	persist_config off
-	grace_period 200ms
+	grace_period %s
 	log {
 		output file %s
 		format json
-		level DEBUG
+		level %s
 	}
 }
-`, admin, logPath)
+`, admin, gracePeriod, logPath, level)
 }
 
 // startCaddyfile adapts and loads a Caddyfile (which must not contain a
@@ -204,12 +241,36 @@ func (sb storeBackend) Block() string {
 	return fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", sb.DSN, sb.Table)
 }
 
-// eachStore runs fn as the subtests "memory" and "postgres" (the latter
-// on a fresh table).
+// storeBackendNames are the stores a store-neutral test runs against.
+var storeBackendNames = []string{"memory", "postgres"}
+
+// newStoreBackend returns the backend named name, Postgres on a fresh
+// table.
+func newStoreBackend(t *testing.T, name string) storeBackend {
+	t.Helper()
+	if name == "postgres" {
+		return postgresBackend(t)
+	}
+	return storeBackend{Name: name}
+}
+
+// eachStore runs fn as a subtest for each backend, "memory" and
+// "postgres" (the latter on a fresh table).
 func eachStore(t *testing.T, fn func(t *testing.T, sb storeBackend)) {
 	t.Helper()
-	t.Run("memory", func(t *testing.T) { fn(t, storeBackend{Name: "memory"}) })
-	t.Run("postgres", func(t *testing.T) { fn(t, postgresBackend(t)) })
+	for _, name := range storeBackendNames {
+		t.Run(name, func(t *testing.T) { fn(t, newStoreBackend(t, name)) })
+	}
+}
+
+// open returns the backend's store itself, on the real clock, as a
+// handler's config would provision it (Postgres on sb.Table).
+func (sb storeBackend) open(t *testing.T) Store {
+	t.Helper()
+	if sb.Name == "postgres" {
+		return newTestPostgresStore(t, sb.Table, 4)
+	}
+	return &MemoryStore{records: newMemoryRecords(100, time.Now)}
 }
 
 // postgresBackend returns the Postgres store on a fresh table.
@@ -233,6 +294,21 @@ func pgOpen(t testing.TB, dsn string) (ctx context.Context, conn *pgx.Conn, done
 		conn.Close(context.Background())
 		cancel()
 	}
+}
+
+// pgConnect opens a connection of the test's own to the test database,
+// for a session that outlasts a statement (a lock held, a transaction
+// open), and closes it when the test ends.
+func pgConnect(t testing.TB, dsn string) *pgx.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatalf("connecting to postgres: %v", err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
 }
 
 // pgQuery runs a query against the test database and returns each row's
@@ -900,4 +976,347 @@ func wantCount(t testing.TB, u *upstream, n int) {
 	if got := u.Count(); got != n {
 		t.Errorf("upstream executed %d times, want %d", got, n)
 	}
+}
+
+// ---------------------------------------------------------------------------
+// Requests in the background and polling
+
+// sleepFor asks the upstream to take d before answering.
+func sleepFor(d time.Duration) map[string]string {
+	return map[string]string{"X-Test-Sleep": d.String()}
+}
+
+// runBackground sends c in a goroutine; the reply arrives on the channel.
+func runBackground(t *testing.T, s *site, c call) <-chan reply {
+	t.Helper()
+	ch := make(chan reply, 1)
+	go func() {
+		r, err := s.DoCtx(context.Background(), c)
+		if err != nil {
+			t.Errorf("background request: %v", err)
+		}
+		ch <- r
+	}()
+	return ch
+}
+
+// pollPastInProgress sends c until it gets something other than a 409 with
+// Retry-After (the response may still be being stored).
+func pollPastInProgress(t *testing.T, s *site, c call) reply {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r := s.Do(t, c)
+		if r.Status != http.StatusConflict || r.Header.Get("Retry-After") == "" || time.Now().After(deadline) {
+			return r
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Stores, called directly
+
+// newTestPostgresStore provisions a store on table as Caddy would, and
+// cleans it up when the test ends.
+func newTestPostgresStore(t *testing.T, table string, maxConns int32) *PostgresStore {
+	t.Helper()
+	return provisionTestStore(t, &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns})
+}
+
+// provisionTestStore provisions s as Caddy would, waits for its start
+// (its migrations), and cleans it up when the test ends.
+func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := s.Provision(ctx); err != nil {
+		t.Fatalf("provisioning: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := s.Cleanup(); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	if err := s.ready(ctx); err != nil {
+		t.Fatalf("starting: %v", err)
+	}
+	if err := s.Validate(); err != nil {
+		t.Fatalf("validating: %v", err)
+	}
+	return s
+}
+
+// testAcquireRequest describes a POST of body under key by credential,
+// with a token of its own.
+func testAcquireRequest(credential, key, body string) AcquireRequest {
+	return AcquireRequest{
+		Key:         RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key},
+		Token:       newLockToken(),
+		Fingerprint: sha256.Sum256([]byte("POST /v1/charges " + body)),
+		Method:      http.MethodPost,
+		Path:        "/v1/charges",
+		LockTimeout: 30 * time.Second,
+		Retention:   24 * time.Hour,
+	}
+}
+
+// retryRequest is the same request again, as another attempt that owns
+// nothing (for any store).
+func retryRequest(req AcquireRequest) AcquireRequest {
+	req.Token = newLockToken()
+	return req
+}
+
+func mustAcquirePG(t *testing.T, s *PostgresStore, req AcquireRequest, want Outcome) AcquireResult {
+	t.Helper()
+	res, err := s.Acquire(context.Background(), req)
+	if err != nil {
+		t.Fatalf("acquire: %v", err)
+	}
+	if res.Outcome != want {
+		t.Fatalf("acquire: outcome %d, want %d (record %+v)", res.Outcome, want, res.Record)
+	}
+	if (res.Record != nil) != (want == OutcomeExisting) {
+		t.Fatalf("acquire: outcome %d with record %+v", res.Outcome, res.Record)
+	}
+	return res
+}
+
+func mustExec(t *testing.T, s *PostgresStore, sql string, args ...any) {
+	t.Helper()
+	if _, err := s.pool.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// memClock is a clock that tests move by hand.
+type memClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *memClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *memClock) advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+func newTestMemoryStore(maxEntries int) (*MemoryStore, *memClock) {
+	clock := &memClock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
+	return &MemoryStore{MaxEntries: maxEntries, records: newMemoryRecords(maxEntries, clock.now)}, clock
+}
+
+const (
+	memTestLockTimeout = 30 * time.Second
+	memTestRetention   = 24 * time.Hour
+)
+
+func memTestRequest(key string) AcquireRequest {
+	return AcquireRequest{
+		Key:         RecordKey{CredentialHash: [32]byte{1}, Key: key},
+		Token:       newLockToken(),
+		Fingerprint: [32]byte{2},
+		Method:      http.MethodPost,
+		Path:        "/charges",
+		LockTimeout: memTestLockTimeout,
+		Retention:   memTestRetention,
+	}
+}
+
+func mustAcquire(t *testing.T, s Store, req AcquireRequest, want Outcome) *Record {
+	t.Helper()
+	res, err := s.Acquire(context.Background(), req)
+	if err != nil {
+		t.Fatalf("Acquire(%q): %v", req.Key.Key, err)
+	}
+	if res.Outcome != want {
+		t.Fatalf("Acquire(%q) outcome = %v, want %v", req.Key.Key, res.Outcome, want)
+	}
+	if (res.Record != nil) != (want == OutcomeExisting) {
+		t.Fatalf("Acquire(%q) record = %+v with outcome %v", req.Key.Key, res.Record, res.Outcome)
+	}
+	return res.Record
+}
+
+func quoteIdent(name string) string {
+	return `"` + strings.ReplaceAll(name, `"`, `""`) + `"`
+}
+
+// ---------------------------------------------------------------------------
+// A handler, called directly
+
+// lockHandler is a provisioned handler on a fresh memory store, wrapped
+// by a scriptedStore, logging to an observer.
+func lockHandler(t *testing.T, lockTimeout time.Duration) (*Handler, *scriptedStore, *observer.ObservedLogs) {
+	t.Helper()
+	h := &Handler{LockTimeout: caddy.Duration(lockTimeout), PruneInterval: new(caddy.Duration)}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := h.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	h.logger = zap.New(core)
+	s := &scriptedStore{Store: h.store}
+	h.store = s
+	return h, s, logs
+}
+
+// serve sends one protected request through h with ctx, and returns the
+// status the client got. Memory stores share their records, so keys are
+// made unique to the test run.
+func serve(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) int {
+	status, _ := serveResult(ctx, h, key, next)
+	return status
+}
+
+// serveResult is serve, with the {http.idempotency.result} it set.
+func serveResult(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) (status int, result string) {
+	r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{"amount":1}`))
+	key += "-" + runID
+	r.Header.Set("Idempotency-Key", key)
+	r.Header.Set("Authorization", defaultCred)
+	r.Header.Set("Content-Type", "application/json")
+	repl := caddy.NewReplacer()
+	r = r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, repl))
+	w := httptest.NewRecorder()
+	err := h.ServeHTTP(w, r, next)
+	result, _ = repl.GetString("http.idempotency.result")
+	if err != nil {
+		return -1, result
+	}
+	return w.Code, result
+}
+
+// runID tells this test binary's keys from those of earlier runs.
+var runID = randomHex(4)
+
+// created is a next handler that counts its calls and answers 201.
+func created(calls *atomic.Int32) caddyhttp.Handler {
+	return caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		calls.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		return nil
+	})
+}
+
+// ---------------------------------------------------------------------------
+// The CLI and the metrics
+
+// cliResult is what one run of the CLI printed and returned.
+type cliResult struct {
+	stdout, stderr string
+	code           int
+}
+
+func (r cliResult) String() string {
+	return fmt.Sprintf("exit %d\nstdout: %s\nstderr: %s", r.code, r.stdout, r.stderr)
+}
+
+// runCLI runs `caddy idempotency args...` with env as the only
+// database-related environment (IDEMPOTENCY_DSN and DATABASE_URL of the
+// test process are not passed on).
+func runCLI(t *testing.T, env []string, args ...string) cliResult {
+	t.Helper()
+	return runCLIInput(t, "", env, args...)
+}
+
+// runCLIInput is runCLI with stdin.
+func runCLIInput(t *testing.T, stdin string, env []string, args ...string) cliResult {
+	t.Helper()
+	bin := buildCaddy(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, append([]string{"idempotency"}, args...)...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "IDEMPOTENCY_DSN=") && !strings.HasPrefix(kv, "DATABASE_URL=") {
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Env = append(cmd.Env, env...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = strings.NewReader(stdin), &stdout, &stderr
+	err := cmd.Run()
+	res := cliResult{stdout: stdout.String(), stderr: stderr.String()}
+	var exitErr *exec.ExitError
+	switch {
+	case errors.As(err, &exitErr):
+		res.code = exitErr.ExitCode()
+	case err != nil:
+		t.Fatalf("running %s: %v", bin, err)
+	}
+	return res
+}
+
+func wantCLI(t *testing.T, res cliResult, code int, contains ...string) {
+	t.Helper()
+	if res.code != code {
+		t.Fatalf("want exit %d, got %s", code, res)
+	}
+	for _, s := range contains {
+		if !strings.Contains(res.stdout+res.stderr, s) {
+			t.Errorf("output lacks %q: %s", s, res)
+		}
+	}
+}
+
+// metricsSnapshot is the admin endpoint's /metrics, parsed.
+type metricsSnapshot map[string]*dto.MetricFamily
+
+func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
+	t.Helper()
+	resp, err := http.Get("http://" + adminAddr + "/metrics")
+	if err != nil {
+		t.Fatalf("GET /metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: %s", resp.Status)
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parsing /metrics: %v", err)
+	}
+	return fams
+}
+
+// value is the sum of the counter or gauge values, or of the histogram
+// sample counts, of the series of name whose labels include the label pairs
+// given.
+func (m metricsSnapshot) value(name string, labelPairs ...string) float64 {
+	fam, ok := m[name]
+	if !ok {
+		return 0
+	}
+	var sum float64
+series:
+	for _, metric := range fam.GetMetric() {
+		for i := 0; i+1 < len(labelPairs); i += 2 {
+			found := false
+			for _, lp := range metric.GetLabel() {
+				if lp.GetName() == labelPairs[i] && lp.GetValue() == labelPairs[i+1] {
+					found = true
+				}
+			}
+			if !found {
+				continue series
+			}
+		}
+		if h := metric.GetHistogram(); h != nil {
+			sum += float64(h.GetSampleCount())
+		} else if g := metric.GetGauge(); g != nil {
+			sum += g.GetValue()
+		} else {
+			sum += metric.GetCounter().GetValue()
+		}
+	}
+	return sum
 }

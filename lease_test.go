@@ -12,71 +12,6 @@ import (
 	"time"
 )
 
-// eachRealStore runs fn on a store of each kind on the real clock, as the
-// handler uses it.
-func eachRealStore(t *testing.T, fn func(t *testing.T, s Store)) {
-	t.Helper()
-	t.Run("memory", func(t *testing.T) {
-		t.Parallel()
-		fn(t, &MemoryStore{records: newMemoryRecords(100, time.Now)})
-	})
-	t.Run("postgres", func(t *testing.T) {
-		t.Parallel()
-		fn(t, newTestPostgresStore(t, freshTable(t), 4))
-	})
-}
-
-// A record whose lease is live never expires and is never pruned, and a
-// completed record lives a full retention after its completion, however
-// long its request ran.
-func TestStoreLiveLeaseNeverExpires(t *testing.T) {
-	eachRealStore(t, func(t *testing.T, s Store) {
-		ctx := context.Background()
-		owner := testAcquireRequest("cred", "lease-key", "body")
-		// A renewal may come late on a loaded machine: the lease has
-		// room for several missed ones.
-		owner.Retention, owner.LockTimeout = 1500*time.Millisecond, time.Second
-		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != OutcomeCreated {
-			t.Fatalf("acquire: %+v, %v", res, err)
-		}
-		// The request runs twice its retention, renewing its lease.
-		for end := time.Now().Add(2 * owner.Retention); time.Now().Before(end); {
-			time.Sleep(150 * time.Millisecond)
-			if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
-				t.Fatalf("renew: %v", err)
-			}
-		}
-		if n, err := s.Prune(ctx, 100); err != nil || n != 0 {
-			t.Fatalf("prune while the lease is live: %d, %v; want 0", n, err)
-		}
-		for _, body := range []string{"body", "another body"} {
-			retry := testAcquireRequest("cred", owner.Key.Key, body)
-			retry.Retention, retry.LockTimeout = owner.Retention, owner.LockTimeout
-			res, err := s.Acquire(ctx, retry)
-			if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
-				t.Fatalf("acquire by a retry with %q while the lease is live: %+v, %v; want the in-progress record", body, res, err)
-			}
-		}
-		if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 201, Replayable: true}, owner.Retention); err != nil {
-			t.Fatalf("complete: %v", err)
-		}
-		completed := time.Now()
-		time.Sleep(owner.Retention / 2)
-		if n, err := s.Prune(ctx, 100); err != nil || n != 0 {
-			t.Fatalf("prune within the retention after completion: %d, %v; want 0", n, err)
-		}
-		retry := retryRequest(owner)
-		res, err := s.Acquire(ctx, retry)
-		if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusCompleted {
-			t.Fatalf("acquire %v after completion: %+v, %v; want the completed record", time.Since(completed), res, err)
-		}
-		time.Sleep(time.Until(completed.Add(owner.Retention + 100*time.Millisecond)))
-		if n, err := s.Prune(ctx, 100); err != nil || n != 1 {
-			t.Fatalf("prune a retention after completion: %d, %v; want 1", n, err)
-		}
-	})
-}
-
 // The reproduction: with a retention of 3s and a lock_timeout of
 // 1s, a request that runs 5s kept its lock but its record expired at 3s,
 // and the same request (or, on the memory store, another one under the
@@ -153,37 +88,6 @@ func TestLeaseIsTheOwnersLockTimeout(t *testing.T) {
 	})
 }
 
-// Two stores sharing records, with different lock timeouts, at the
-// store level: the takeover waits for the owner's lease.
-func TestStoreLeaseIsTheRecords(t *testing.T) {
-	eachRealStore(t, func(t *testing.T, s Store) {
-		ctx := context.Background()
-		owner := testAcquireRequest("cred", "lease-owner", "body")
-		owner.LockTimeout = 2 * time.Second
-		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != OutcomeCreated {
-			t.Fatalf("acquire: %+v, %v", res, err)
-		}
-		time.Sleep(300 * time.Millisecond)
-		retry := retryRequest(owner)
-		retry.LockTimeout = 100 * time.Millisecond
-		res, err := s.Acquire(ctx, retry)
-		if err != nil || res.Outcome != OutcomeExisting {
-			t.Fatalf("acquire by a retry with a shorter lock timeout: %+v, %v; want the owner's record", res, err)
-		}
-		if !res.Record.LockedUntil.After(res.Record.LockedAt.Add(time.Second)) {
-			t.Errorf("locked_until %v, locked_at %v: the lease is not the owner's 2s", res.Record.LockedUntil, res.Record.LockedAt)
-		}
-		// A renewal extends the lease by its own length.
-		if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
-			t.Fatalf("renew: %v", err)
-		}
-		time.Sleep(time.Second)
-		if res, err := s.Acquire(ctx, retry); err != nil || res.Outcome != OutcomeExisting {
-			t.Fatalf("acquire after a renewal: %+v, %v; want the owner's record", res, err)
-		}
-	})
-}
-
 // A response whose headers carry bytes that JSON cannot (NUL, and bytes
 // that are not UTF-8) is stored, and replayed byte for byte. With jsonb,
 // Postgres refused the completion for good, and the retry executed
@@ -241,42 +145,6 @@ func TestHeaderBytesReplayExactly(t *testing.T) {
 			t.Errorf("replay: X-Ref %q, body %q; want %q, %q", replayRef, replayBody, ref, firstBody)
 		}
 		wantCount(t, u, 1)
-	})
-}
-
-// Headers round-trip through both stores byte for byte, names included.
-func TestStoreHeadersRoundTripExactly(t *testing.T) {
-	eachRealStore(t, func(t *testing.T, s Store) {
-		ctx := context.Background()
-		req := testAcquireRequest("cred", "bytes-key", "body")
-		header := http.Header{
-			"X-Ref":               {"a\x00b\xff", "", "\x80\xfe"},
-			"Trailer:Grpc-Status": {"0"},
-			"lower\x00case\xff":   {"v"},
-			"Empty":               {},
-		}
-		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
-			t.Fatalf("acquire: %+v, %v", res, err)
-		}
-		if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Header: header, Body: []byte("\x00\xff"), Replayable: true, BodySize: 2}, req.Retention); err != nil {
-			t.Fatalf("complete: %v", err)
-		}
-		res, err := s.Acquire(ctx, retryRequest(req))
-		if err != nil || res.Outcome != OutcomeExisting || res.Record.Response == nil {
-			t.Fatalf("replay: %+v, %v", res, err)
-		}
-		got := res.Record.Response.Header
-		if len(got) != len(header) {
-			t.Errorf("headers = %q, want %q", got, header)
-		}
-		for name, want := range header {
-			if !equalStrings(got[name], want) {
-				t.Errorf("header %q = %q, want %q", name, got[name], want)
-			}
-		}
-		if string(res.Record.Response.Body) != "\x00\xff" {
-			t.Errorf("body = %q", res.Record.Response.Body)
-		}
 	})
 }
 

@@ -8,8 +8,6 @@ import (
 	"context"
 	"errors"
 	"net/http"
-	"net/http/httptest"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,7 +16,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zaptest/observer"
 )
 
 // scriptedStore wraps a store with hooks that run before its methods.
@@ -55,61 +52,6 @@ func (s *scriptedStore) Complete(ctx context.Context, key RecordKey, token LockT
 		}
 	}
 	return s.Store.Complete(ctx, key, token, resp, retention)
-}
-
-// lockHandler is a provisioned handler on a fresh memory store, wrapped
-// by a scriptedStore, logging to an observer.
-func lockHandler(t *testing.T, lockTimeout time.Duration) (*Handler, *scriptedStore, *observer.ObservedLogs) {
-	t.Helper()
-	h := &Handler{LockTimeout: caddy.Duration(lockTimeout), PruneInterval: new(caddy.Duration)}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	core, logs := observer.New(zap.InfoLevel)
-	h.logger = zap.New(core)
-	s := &scriptedStore{Store: h.store}
-	h.store = s
-	return h, s, logs
-}
-
-// serve sends one protected request through h with ctx, and returns the
-// status the client got. Memory stores share their records, so keys are
-// made unique to the test run.
-func serve(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) int {
-	status, _ := serveResult(ctx, h, key, next)
-	return status
-}
-
-// serveResult is serve, with the {http.idempotency.result} it set.
-func serveResult(ctx context.Context, h *Handler, key string, next caddyhttp.Handler) (status int, result string) {
-	r := httptest.NewRequest(http.MethodPost, "/pay", strings.NewReader(`{"amount":1}`))
-	key += "-" + runID
-	r.Header.Set("Idempotency-Key", key)
-	r.Header.Set("Authorization", defaultCred)
-	r.Header.Set("Content-Type", "application/json")
-	repl := caddy.NewReplacer()
-	r = r.WithContext(context.WithValue(ctx, caddy.ReplacerCtxKey, repl))
-	w := httptest.NewRecorder()
-	err := h.ServeHTTP(w, r, next)
-	result, _ = repl.GetString("http.idempotency.result")
-	if err != nil {
-		return -1, result
-	}
-	return w.Code, result
-}
-
-// runID tells this test binary's keys from those of earlier runs.
-var runID = randomHex(4)
-
-// created is a next handler that counts its calls and answers 201.
-func created(calls *atomic.Int32) caddyhttp.Handler {
-	return caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		calls.Add(1)
-		w.WriteHeader(http.StatusCreated)
-		return nil
-	})
 }
 
 // A client that hangs up while its acquire is in flight must not leave a

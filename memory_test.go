@@ -16,61 +16,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
-// memClock is a clock that tests move by hand.
-type memClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *memClock) now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *memClock) advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
-func newTestMemoryStore(maxEntries int) (*MemoryStore, *memClock) {
-	clock := &memClock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
-	return &MemoryStore{MaxEntries: maxEntries, records: newMemoryRecords(maxEntries, clock.now)}, clock
-}
-
-const (
-	memTestLockTimeout = 30 * time.Second
-	memTestRetention   = 24 * time.Hour
-)
-
-func memTestRequest(key string) AcquireRequest {
-	return AcquireRequest{
-		Key:         RecordKey{CredentialHash: [32]byte{1}, Key: key},
-		Token:       newLockToken(),
-		Fingerprint: [32]byte{2},
-		Method:      http.MethodPost,
-		Path:        "/charges",
-		LockTimeout: memTestLockTimeout,
-		Retention:   memTestRetention,
-	}
-}
-
-func mustAcquire(t *testing.T, s Store, req AcquireRequest, want Outcome) *Record {
-	t.Helper()
-	res, err := s.Acquire(context.Background(), req)
-	if err != nil {
-		t.Fatalf("Acquire(%q): %v", req.Key.Key, err)
-	}
-	if res.Outcome != want {
-		t.Fatalf("Acquire(%q) outcome = %v, want %v", req.Key.Key, res.Outcome, want)
-	}
-	if (res.Record != nil) != (want == OutcomeExisting) {
-		t.Fatalf("Acquire(%q) record = %+v with outcome %v", req.Key.Key, res.Record, res.Outcome)
-	}
-	return res.Record
-}
-
 // acquireConcurrently runs Acquire for n requests for the same key at
 // once and counts the outcomes.
 func acquireConcurrently(t *testing.T, s Store, n int) map[Outcome]int {

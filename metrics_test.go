@@ -10,63 +10,7 @@ import (
 	"time"
 
 	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 )
-
-// metricsSnapshot is the admin endpoint's /metrics, parsed.
-type metricsSnapshot map[string]*dto.MetricFamily
-
-func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
-	t.Helper()
-	resp, err := http.Get("http://" + adminAddr + "/metrics")
-	if err != nil {
-		t.Fatalf("GET /metrics: %v", err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET /metrics: %s", resp.Status)
-	}
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("parsing /metrics: %v", err)
-	}
-	return fams
-}
-
-// value is the sum of the counter or gauge values, or of the histogram
-// sample counts, of the series of name whose labels include the label pairs
-// given.
-func (m metricsSnapshot) value(name string, labelPairs ...string) float64 {
-	fam, ok := m[name]
-	if !ok {
-		return 0
-	}
-	var sum float64
-series:
-	for _, metric := range fam.GetMetric() {
-		for i := 0; i+1 < len(labelPairs); i += 2 {
-			found := false
-			for _, lp := range metric.GetLabel() {
-				if lp.GetName() == labelPairs[i] && lp.GetValue() == labelPairs[i+1] {
-					found = true
-				}
-			}
-			if !found {
-				continue series
-			}
-		}
-		if h := metric.GetHistogram(); h != nil {
-			sum += float64(h.GetSampleCount())
-		} else if g := metric.GetGauge(); g != nil {
-			sum += g.GetValue()
-		} else {
-			sum += metric.GetCounter().GetValue()
-		}
-	}
-	return sum
-}
 
 // The metrics count what happened, through Caddy's admin endpoint: each
 // request once by its final result, each store round trip (and no cache

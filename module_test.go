@@ -25,36 +25,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	// setupTestPostgres runs lazily, on the first testDSN; its cleanup is
-	// set only once it ran, so a run that needed no Postgres starts none.
-	if cleanup := testPostgres.cleanup; cleanup != nil {
-		cleanup()
-	}
-	removeCaddyBinary() // built by the tests that run Caddy as a process
-	os.Exit(code)
-}
-
-// sleepFor asks the upstream to take d before answering.
-func sleepFor(d time.Duration) map[string]string {
-	return map[string]string{"X-Test-Sleep": d.String()}
-}
-
-// runBackground sends c in a goroutine; the reply arrives on the channel.
-func runBackground(t *testing.T, s *site, c call) <-chan reply {
-	t.Helper()
-	ch := make(chan reply, 1)
-	go func() {
-		r, err := s.DoCtx(context.Background(), c)
-		if err != nil {
-			t.Errorf("background request: %v", err)
-		}
-		ch <- r
-	}()
-	return ch
-}
-
 func TestReplayIsByteForByte(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
@@ -435,20 +405,6 @@ func TestReloadDuringDetachedExecution(t *testing.T) {
 	})
 }
 
-// pollPastInProgress sends c until it gets something other than a 409 with
-// Retry-After (the response may still be being stored).
-func pollPastInProgress(t *testing.T, s *site, c call) reply {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		r := s.Do(t, c)
-		if r.Status != http.StatusConflict || r.Header.Get("Retry-After") == "" || time.Now().After(deadline) {
-			return r
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // The detached work is bounded, and what the cut-off execution stores is
 // the outcome-unknown problem. Catches context.WithoutCancel without a
 // timeout, and a stored empty 499.
@@ -754,10 +710,6 @@ func TestCredentialIsNeverStoredOrLogged(t *testing.T) {
 			}
 		}
 	})
-}
-
-func quoteIdent(name string) string {
-	return `"` + strings.ReplaceAll(name, `"`, `""`) + `"`
 }
 
 // Catches a store that ignores expires_at on acquire.

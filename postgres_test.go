@@ -21,79 +21,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// newTestPostgresStore provisions a store on table as Caddy would, and
-// cleans it up when the test ends.
-func newTestPostgresStore(t *testing.T, table string, maxConns int32) *PostgresStore {
-	t.Helper()
-	return provisionTestStore(t, &PostgresStore{DSN: testDSN(t), Table: table, MaxConns: maxConns})
-}
-
-// provisionTestStore provisions s as Caddy would, waits for its start
-// (its migrations), and cleans it up when the test ends.
-func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
-	t.Helper()
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := s.Provision(ctx); err != nil {
-		t.Fatalf("provisioning: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := s.Cleanup(); err != nil {
-			t.Errorf("cleanup: %v", err)
-		}
-	})
-	if err := s.ready(ctx); err != nil {
-		t.Fatalf("starting: %v", err)
-	}
-	if err := s.Validate(); err != nil {
-		t.Fatalf("validating: %v", err)
-	}
-	return s
-}
-
-// testAcquireRequest describes a POST of body under key by credential,
-// with a token of its own.
-func testAcquireRequest(credential, key, body string) AcquireRequest {
-	return AcquireRequest{
-		Key:         RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key},
-		Token:       newLockToken(),
-		Fingerprint: sha256.Sum256([]byte("POST /v1/charges " + body)),
-		Method:      http.MethodPost,
-		Path:        "/v1/charges",
-		LockTimeout: 30 * time.Second,
-		Retention:   24 * time.Hour,
-	}
-}
-
-// retryRequest is the same request again, as another attempt that owns
-// nothing (for any store).
-func retryRequest(req AcquireRequest) AcquireRequest {
-	req.Token = newLockToken()
-	return req
-}
-
-func mustAcquirePG(t *testing.T, s *PostgresStore, req AcquireRequest, want Outcome) AcquireResult {
-	t.Helper()
-	res, err := s.Acquire(context.Background(), req)
-	if err != nil {
-		t.Fatalf("acquire: %v", err)
-	}
-	if res.Outcome != want {
-		t.Fatalf("acquire: outcome %d, want %d (record %+v)", res.Outcome, want, res.Record)
-	}
-	if (res.Record != nil) != (want == OutcomeExisting) {
-		t.Fatalf("acquire: outcome %d with record %+v", res.Outcome, res.Record)
-	}
-	return res
-}
-
-func mustExec(t *testing.T, s *PostgresStore, sql string, args ...any) {
-	t.Helper()
-	if _, err := s.pool.Exec(context.Background(), sql, args...); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
 func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
 	t.Parallel()
 	s := newTestPostgresStore(t, freshTable(t), 8)
@@ -447,11 +374,7 @@ func TestPrunePostgresOneAtATime(t *testing.T) {
 	lockKey := s.table.pruneLockKey()
 
 	// Another instance is pruning.
-	other, err := pgx.Connect(ctx, testDSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer other.Close(ctx)
+	other := pgConnect(t, testDSN(t))
 	var locked bool
 	if err := other.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", lockKey).Scan(&locked); err != nil || !locked {
 		t.Fatalf("taking the prune lock: %v, %v", locked, err)
@@ -1038,11 +961,7 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 
 	// Another session locks the hot record's row: every acquire of that
 	// key waits for the lock inside its statement, holding a connection.
-	locker, err := pgx.Connect(ctx, testDSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer locker.Close(ctx)
+	locker := pgConnect(t, testDSN(t))
 	tx, err := locker.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -1065,11 +984,7 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 	// lane of their batcher, each batch holding one request for the key
 	// (two cannot share a statement). (Not asked of the locker: a
 	// transaction sees one snapshot of the activity statistics.)
-	watcher, err := pgx.Connect(ctx, testDSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer watcher.Close(ctx)
+	watcher := pgConnect(t, testDSN(t))
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var waiting int

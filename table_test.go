@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/url"
 	"strings"
@@ -96,47 +95,6 @@ func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
 	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeCreated {
 		t.Fatalf("acquire after expiry: %+v, %v; want the key free again", res, err)
 	}
-}
-
-// A call whose reply was lost after it took effect is repeated with the
-// same token, and finds its own effect: the acquire owns the record it
-// created, the completion and the release are done.
-func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
-	eachRealStore(t, func(t *testing.T, s Store) {
-		ctx := context.Background()
-		req := testAcquireRequest("cred", "repeat-key", "body")
-		for i := range 2 {
-			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
-				t.Fatalf("acquire %d: %+v, %v; want created, the caller's", i+1, res, err)
-			}
-		}
-		other := retryRequest(req)
-		if res, err := s.Acquire(ctx, other); err != nil || res.Outcome != OutcomeExisting {
-			t.Fatalf("acquire by another token: %+v, %v; want existing", res, err)
-		}
-		resp := &Response{Status: 201, Body: []byte("done"), Replayable: true, BodySize: 4}
-		for i := range 2 {
-			if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
-				t.Fatalf("complete %d: %v", i+1, err)
-			}
-		}
-		if err := s.Complete(ctx, req.Key, other.Token, resp, req.Retention); !errors.Is(err, ErrLockLost) {
-			t.Errorf("complete by another token: %v, want ErrLockLost", err)
-		}
-		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
-			t.Errorf("release of a completed record: %v, want ErrLockLost", err)
-		}
-
-		released := testAcquireRequest("cred", "repeat-release", "body")
-		if res, err := s.Acquire(ctx, released); err != nil || res.Outcome != OutcomeCreated {
-			t.Fatalf("acquire: %+v, %v", res, err)
-		}
-		for i := range 2 {
-			if err := s.Release(ctx, released.Key, released.Token); err != nil {
-				t.Fatalf("release %d: %v", i+1, err)
-			}
-		}
-	})
 }
 
 // A connection dialled while the database is silent (its replies lost,

@@ -35,7 +35,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
 	"os/exec"
@@ -275,15 +274,6 @@ func serverUser() (*user.User, error) {
 		}
 	}
 	return nil, errors.New("running as root, and neither a postgres nor a nobody user exists to run the server")
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 // freshTable returns a table name of its own for the test, and drops the
