@@ -3,7 +3,9 @@ package idempotency
 // Settings that cannot work are refused at load.
 
 import (
+	"bytes"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -54,4 +56,84 @@ func TestTooShortDurationsAreRefused(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A JSON config, as through the admin API, with a DSN from an {env.*}
+// placeholder resolved at provision time.
+func TestJSONConfig(t *testing.T) {
+	sb := postgresBackend(t)
+	t.Setenv("IDEMPOTENCY_E2E_DSN", sb.DSN)
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	cfg := fmt.Sprintf(`{
+	"admin": {"disabled": true},
+	"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
+	"apps": {"http": {"servers": {"srv0": {
+		"listen": ["127.0.0.1:%d"],
+		"automatic_https": {"disable": true},
+		"routes": [{"handle": [
+			{
+				"handler": "idempotency",
+				"store": {"backend": "postgres", "dsn": "{env.IDEMPOTENCY_E2E_DSN}", "table": %q},
+				"lock_timeout": "5s",
+				"max_request_body": 4096
+			},
+			{"handler": "reverse_proxy", "upstreams": [{"dial": %q}]}
+		]}]
+	}}}}
+}`, port, sb.Table, up.Addr())
+	srv := startCaddyJSON(t, []byte(cfg), "")
+	s := newSiteClient(t, srv, port)
+	c := call{Key: newKey(), Body: payBody()}
+	first := s.Do(t, c)
+	wantExecuted(t, first, http.StatusCreated)
+	wantReplayOf(t, s.Do(t, c), first)
+	wantProblem(t, s.Do(t, call{Key: newKey(), Body: bytes.Repeat([]byte("z"), 5000), ContentType: "text/plain"}), http.StatusRequestEntityTooLarge)
+	if n := pgCount(t, sb); n != 1 {
+		t.Errorf("%d rows in the table, want 1", n)
+	}
+}
+
+// {http.idempotency.result} and {http.idempotency.key} are set for other
+// handlers; a deferred header op reads them at write time.
+func TestPlaceholders(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	header >X-Idem-Result {http.idempotency.result}
+	header >X-Idem-Key {http.idempotency.key}
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), up.Addr()))
+		key := newKey()
+		body := payBody()
+		inflight := call{Key: newKey(), Body: payBody(), Header: sleepFor(500 * time.Millisecond)}
+		ch := runBackground(t, s, inflight)
+		up.WaitStarted(t, 1)
+		for _, tc := range []struct {
+			name    string
+			c       call
+			result  string
+			wantKey string
+		}{
+			{"executed", call{Key: key, Body: body}, "executed", key},
+			{"replayed", call{Key: key, Body: body}, "replayed", key},
+			{"mismatch", call{Key: key, Body: payBody()}, "mismatch", key},
+			{"in_progress", call{Key: inflight.Key, Body: inflight.Body}, "in_progress", inflight.Key},
+			{"rejected", call{Body: body}, "rejected", ""},
+		} {
+			r := s.Do(t, tc.c)
+			if got := r.Header.Get("X-Idem-Result"); got != tc.result {
+				t.Errorf("%s: {http.idempotency.result} = %q, want %q (status %d)", tc.name, got, tc.result, r.Status)
+			}
+			if tc.wantKey != "" && r.Header.Get("X-Idem-Key") != tc.wantKey {
+				t.Errorf("%s: {http.idempotency.key} = %q, want %q", tc.name, r.Header.Get("X-Idem-Key"), tc.wantKey)
+			}
+		}
+		<-ch
+	})
 }

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -568,4 +569,92 @@ func (s *benchMemoryStore) credentialSecret(ctx context.Context) ([]byte, error)
 
 func (s *cacheTestStore) credentialSecret(ctx context.Context) ([]byte, error) {
 	return s.Store.(*MemoryStore).credentialSecret(ctx)
+}
+
+// No raw token ever reaches the database or a log line.
+func TestCredentialIsNeverStoredOrLogged(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr())
+		secret := "sk_live_" + randomHex(12)
+		cred := "Bearer " + secret
+		c := call{Key: newKey(), Body: payBody(), Cred: cred, Header: sleepFor(300 * time.Millisecond)}
+		ch := runBackground(t, s, c)
+		up.WaitStarted(t, 1)
+		s.Do(t, call{Key: c.Key, Body: c.Body, Cred: cred}) // in progress
+		<-ch
+		s.Do(t, call{Key: c.Key, Body: c.Body, Cred: cred})    // replay
+		s.Do(t, call{Key: c.Key, Body: payBody(), Cred: cred}) // mismatch
+		wantCount(t, up, 1)
+
+		needles := map[string]string{
+			"raw":    secret,
+			"hex":    hex.EncodeToString([]byte(secret)),
+			"base64": base64.StdEncoding.EncodeToString([]byte(secret))[:16],
+		}
+		logs, err := os.ReadFile(s.LogPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for form, needle := range needles {
+			if bytes.Contains(logs, []byte(needle)) {
+				t.Errorf("the log holds the credential (%s)", form)
+			}
+		}
+		if sb.Name != "postgres" {
+			return
+		}
+		rows := pgQuery(t, sb.DSN, "SELECT t::text FROM "+quoteIdent(sb.Table)+" t")
+		if len(rows) != 1 {
+			t.Fatalf("table has %d rows, want 1", len(rows))
+		}
+		for form, needle := range needles {
+			if strings.Contains(strings.ToLower(rows[0][0]), strings.ToLower(needle)) {
+				t.Errorf("the database row holds the credential (%s): %s", form, rows[0][0])
+			}
+		}
+	})
+}
+
+// Credentials that an upstream sends back are not stored nor replayed:
+// the header the handler reads its credential from (here X-Api-Key, as
+// credential_header or through a credential placeholder), Cookie,
+// Set-Cookie2, and the Authentication-Info headers (RFC 7615), as with
+// Authorization.
+// They would otherwise sit in the store, the admin API's records and the
+// CLI's output. Catches a never-stored list that knew only
+// Authorization as a credential.
+func TestCredentialHeadersAreNotReplayed(t *testing.T) {
+	for _, directive := range []string{"credential_header X-Api-Key", "credential {http.request.header.x-api-key}"} {
+		t.Run(directive, func(t *testing.T) { testCredentialHeadersAreNotReplayed(t, directive) })
+	}
+}
+
+func testCredentialHeadersAreNotReplayed(t *testing.T, directive string) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), directive)
+		c := call{Key: newKey(), Body: payBody(), Cred: "tenant-a-key", CredHeader: "X-Api-Key",
+			Header: map[string]string{"X-Test-Credentials": "1"}}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		credentials := []string{"X-Api-Key", "Cookie", "Set-Cookie2", "Authentication-Info", "Proxy-Authentication-Info"}
+		for _, h := range credentials {
+			if first.Header.Get(h) == "" {
+				t.Errorf("the first caller must get the upstream's %s", h)
+			}
+		}
+		replay := s.Do(t, c)
+		if !replay.replayed() || !bytes.Equal(replay.Body, first.Body) {
+			t.Fatalf("want a replay, got %s", replay)
+		}
+		for _, h := range credentials {
+			if v := replay.Header.Values(h); len(v) != 0 {
+				t.Errorf("replay carries %s: %q", h, v)
+			}
+		}
+		if got := replay.Header.Values("X-Multi"); !equalStrings(got, []string{"one", "two"}) {
+			t.Errorf("replay X-Multi = %q, want [one two]", got)
+		}
+	})
 }

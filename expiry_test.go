@@ -232,3 +232,63 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 		t.Errorf("retry after the record expired: outcome %d, record %+v; want it to execute again", res.Outcome, res.Record)
 	}
 }
+
+// Catches a store that ignores expires_at on acquire.
+func TestExpiredRecordExecutesAnew(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "retention 2s", "lock_timeout 1s", "prune_interval 0")
+		c := call{Key: newKey(), Body: payBody()}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, c), first)
+		time.Sleep(2200 * time.Millisecond)
+		second := s.Do(t, c)
+		wantExecuted(t, second, http.StatusCreated)
+		if second.Header.Get("X-Execution-Id") == first.Header.Get("X-Execution-Id") {
+			t.Errorf("an expired record was replayed")
+		}
+		wantReplayOf(t, s.Do(t, c), second)
+		// An expired record is absent: another body under the old key is no conflict.
+		time.Sleep(2200 * time.Millisecond)
+		wantExecuted(t, s.Do(t, call{Key: c.Key, Body: payBody()}), http.StatusCreated)
+		wantCount(t, up, 3)
+	})
+}
+
+// Pruning deletes expired rows and only those. Postgres only: the memory
+// store's sweep is not observable from outside (memory_test.go covers it).
+func TestPruneDeletesExpiredRows(t *testing.T) {
+	t.Run("prune_interval 0 disables pruning", func(t *testing.T) {
+		// Catches a pruner that treats 0 as "always" (a zero ticker, a busy loop).
+		sb := postgresBackend(t)
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "retention 2s", "lock_timeout 1s", "prune_interval 0")
+		wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+		time.Sleep(2500 * time.Millisecond)
+		if n := pgCount(t, sb); n != 1 {
+			t.Errorf("%d rows with pruning disabled, want the 1 expired row kept", n)
+		}
+	})
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	s := protectedSite(t, sb, up.Addr(), "retention 2s", "lock_timeout 1s", "prune_interval 1s")
+	for range 3 {
+		wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+	}
+	if n := pgCount(t, sb); n != 3 {
+		t.Fatalf("%d rows after 3 requests, want 3", n)
+	}
+	late := call{Key: newKey(), Body: payBody()}
+	lateReply := s.Do(t, late)
+	// The live row lives on however slow the machine is, until the
+	// pruner has taken the others.
+	if n := pgExec(t, sb.DSN, "UPDATE "+quoteIdent(sb.Table)+" SET expires_at = now() + interval '1 hour' WHERE key = $1", late.Key); n != 1 {
+		t.Fatalf("%d rows of the live key, want 1", n)
+	}
+	waitFor(t, 10*time.Second, "expired rows to be pruned", func() bool { return pgCount(t, sb) <= 1 })
+	if n := pgCount(t, sb); n != 1 {
+		t.Fatalf("%d rows after pruning, want the 1 live row", n)
+	}
+	wantReplayOf(t, s.Do(t, late), lateReply)
+}

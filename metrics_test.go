@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -156,5 +157,59 @@ http://127.0.0.1:%d {
 				}
 			}
 		}
+	}
+}
+
+// Metrics in Caddy's registry, served by the admin endpoint: requests by
+// result, store latency as a histogram, and no per-key labels.
+func TestMetricsAreExposed(t *testing.T) {
+	up := newUpstream(t)
+	port, adminPort := freeTCPPort(t), freeTCPPort(t)
+	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store memory
+	}
+	reverse_proxy %s
+}
+`, port, up.Addr()), fmt.Sprintf("127.0.0.1:%d", adminPort))
+	s := newSiteClient(t, srv, port)
+	c := call{Key: newKey(), Body: payBody()}
+	s.Do(t, c)
+	s.Do(t, c)
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", adminPort))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "caddy_") {
+		t.Fatalf("admin /metrics: %d, %d bytes", resp.StatusCode, len(b))
+	}
+	var types []string
+	histogram, replayed := false, false
+	for _, l := range strings.Split(string(b), "\n") {
+		if !strings.Contains(l, "idempotency") {
+			continue
+		}
+		if strings.HasPrefix(l, "# TYPE ") {
+			types = append(types, strings.TrimPrefix(l, "# TYPE "))
+			histogram = histogram || strings.HasSuffix(l, " histogram")
+		}
+		if !strings.HasPrefix(l, "#") && strings.Contains(l, `"replayed"`) {
+			replayed = true
+		}
+		if strings.Contains(l, c.Key) {
+			t.Errorf("a metric is labelled with the key: %s", l)
+		}
+	}
+	if len(types) == 0 {
+		t.Fatalf("no idempotency metrics in the admin /metrics output")
+	}
+	t.Logf("metrics: %s", strings.Join(types, "; "))
+	if !histogram {
+		t.Errorf("no histogram (store round-trip latency) among the idempotency metrics")
+	}
+	if !replayed {
+		t.Errorf("no sample with result \"replayed\" after a replay")
 	}
 }

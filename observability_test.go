@@ -228,3 +228,50 @@ func TestAccessLogPlaceholders(t *testing.T) {
 		t.Errorf("an unprotected request's access log line: %v", l)
 	}
 }
+
+func TestLogs(t *testing.T) {
+	t.Run("memory store warns it is not durable", func(t *testing.T) {
+		up := newUpstream(t)
+		s := protectedSite(t, storeBackend{Name: "memory"}, up.Addr())
+		found := false
+		for _, l := range s.moduleLogLines(t) {
+			if l["level"] == "warn" {
+				found = true
+			}
+		}
+		if !found {
+			t.Errorf("no warning from the module at start with the memory store")
+		}
+	})
+	t.Run("one line per replay", func(t *testing.T) {
+		up := newUpstream(t)
+		s := protectedSite(t, storeBackend{Name: "memory"}, up.Addr())
+		c := call{Key: newKey(), Body: payBody(), Path: "/pay/x"}
+		s.Do(t, c)
+		s.Do(t, c)
+		var replays []map[string]any
+		for _, l := range s.moduleLogLines(t) {
+			if msg, _ := l["msg"].(string); msg == "idempotency.replay" {
+				replays = append(replays, l)
+			}
+		}
+		if len(replays) != 1 {
+			t.Fatalf("%d idempotency.replay lines, want 1", len(replays))
+		}
+		for _, field := range []string{"key", "method", "path", "original_status", "age_seconds"} {
+			if _, ok := replays[0][field]; !ok {
+				t.Errorf("idempotency.replay line lacks %q: %v", field, replays[0])
+			}
+		}
+		if replays[0]["key"] != c.Key || replays[0]["path"] != "/pay/x" || replays[0]["method"] != "POST" {
+			t.Errorf("idempotency.replay line: %v", replays[0])
+		}
+		// The credential id is a short prefix of the credential's keyed
+		// hash, never the credential, nor anything its unkeyed hash gives.
+		sum := handlerCredentialHash(t, storeBackend{Name: "memory"}, defaultCred)
+		credID, _ := replays[0]["credential_id"].(string)
+		if credID == "" || len(credID) >= 64 || !strings.HasPrefix(hex.EncodeToString(sum[:]), credID) {
+			t.Errorf("idempotency.replay credential_id = %q, want a short prefix of the credential's keyed hash", credID)
+		}
+	})
+}

@@ -4,6 +4,7 @@ package idempotency
 // a request that an outer handler already protects.
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net/http"
@@ -112,5 +113,143 @@ func TestNestedHandlerPassesThrough(t *testing.T) {
 				}
 			})
 		}
+	})
+}
+
+func TestRejectedRequestsReachNothing(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "max_request_body 1024")
+		big := bytes.Repeat([]byte("x"), 1025)
+		for _, tc := range []struct {
+			name   string
+			c      call
+			status int
+		}{
+			{"missing key", call{Body: payBody()}, http.StatusBadRequest},
+			{"missing key, upgrade headers", call{Body: payBody(), Header: map[string]string{"Connection": "Upgrade", "Upgrade": "websocket"}}, http.StatusBadRequest},
+			{"key of 7 bytes", call{Key: "abcdefg", Body: payBody()}, http.StatusBadRequest},
+			{"key of 256 bytes", call{Key: strings.Repeat("k", 256), Body: payBody()}, http.StatusBadRequest},
+			{"key with a tab", call{Key: "abcd\tefgh", Body: payBody()}, http.StatusBadRequest},
+			{"key with a non-ASCII byte", call{Key: "abcdefgh\xe9", Body: payBody()}, http.StatusBadRequest},
+			{"quoted key of 7 bytes", call{Key: `"abcdefg"`, Body: payBody()}, http.StatusBadRequest},
+			{"missing credential", call{Key: newKey(), Cred: noCred, Body: payBody()}, http.StatusUnauthorized},
+			{"empty credential", call{Key: newKey(), Cred: " ", Body: payBody()}, http.StatusUnauthorized},
+			{"body over max_request_body", call{Key: newKey(), Body: big, ContentType: "text/plain"}, http.StatusRequestEntityTooLarge},
+			{"chunked body over max_request_body", call{Key: newKey(), Body: big, ContentType: "text/plain", Chunked: true}, http.StatusRequestEntityTooLarge},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				wantProblem(t, s.Do(t, tc.c), tc.status)
+			})
+		}
+		wantCount(t, up, 0)
+	})
+}
+
+// Catches off-by-one limits: the boundaries themselves are valid.
+func TestLimitsAreInclusive(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "max_request_body 1024")
+		exact := bytes.Repeat([]byte("y"), 1024)
+		for _, tc := range []struct {
+			name string
+			c    call
+		}{
+			{"key of 8 bytes", call{Key: "k" + randomHex(3) + "z", Body: payBody()}},
+			{"key of 255 bytes", call{Key: randomHex(4) + strings.Repeat("k", 247), Body: payBody()}},
+			{"key with spaces and punctuation", call{Key: "pay ~!@#$%^&*()_+ " + randomHex(4), Body: payBody()}},
+			{"body of exactly max_request_body", call{Key: newKey(), Body: exact, ContentType: "text/plain"}},
+			{"chunked body of exactly max_request_body", call{Key: newKey(), Body: exact, ContentType: "text/plain", Chunked: true}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				first := s.Do(t, tc.c)
+				wantExecuted(t, first, http.StatusCreated)
+				wantReplayOf(t, s.Do(t, tc.c), first)
+			})
+		}
+		wantCount(t, up, 5)
+		for _, e := range up.Executions()[3:] {
+			if !bytes.Equal(e.Body, exact) {
+				t.Errorf("upstream got %d bytes, want the 1024 sent", len(e.Body))
+			}
+		}
+	})
+}
+
+func TestOptionalLetsKeylessRequestsThrough(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "optional")
+		body := payBody()
+		for range 2 {
+			wantExecuted(t, s.Do(t, call{Body: body}), http.StatusCreated)
+		}
+		wantCount(t, up, 2)
+		// Unprotected means untouched: no credential is demanded either.
+		wantExecuted(t, s.Do(t, call{Body: body, Cred: noCred}), http.StatusCreated)
+		// A request that does carry a key is still protected.
+		c := call{Key: newKey(), Body: body}
+		first := s.Do(t, c)
+		wantReplayOf(t, s.Do(t, c), first)
+		wantProblem(t, s.Do(t, call{Key: "short"}), http.StatusBadRequest)
+		wantCount(t, up, 4)
+	})
+}
+
+func TestUnprotectedMethodsPassThrough(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		t.Run("defaults", func(t *testing.T) {
+			up := newUpstream(t)
+			s := protectedSite(t, sb, up.Addr())
+			for _, m := range []string{http.MethodGet, http.MethodPut, http.MethodDelete} {
+				for _, c := range []call{
+					{Method: m, Cred: noCred},
+					{Method: m, Key: "fixed-key-1234"}, // a key on an unprotected method is not recorded
+				} {
+					for range 2 {
+						wantExecuted(t, s.Do(t, c), http.StatusCreated)
+					}
+				}
+			}
+			wantCount(t, up, 12)
+		})
+		t.Run("methods PUT", func(t *testing.T) {
+			up := newUpstream(t)
+			s := protectedSite(t, sb, up.Addr(), "methods PUT")
+			wantExecuted(t, s.Do(t, call{Method: http.MethodPost, Body: payBody()}), http.StatusCreated)
+			wantProblem(t, s.Do(t, call{Method: http.MethodPut, Body: payBody()}), http.StatusBadRequest)
+			c := call{Method: http.MethodPut, Key: newKey(), Body: payBody()}
+			first := s.Do(t, c)
+			wantReplayOf(t, s.Do(t, c), first)
+			wantCount(t, up, 2)
+		})
+	})
+}
+
+func TestMatcherScopesProtection(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSiteMatcher(t, sb, up.Addr(), "/payments/* ")
+		wantExecuted(t, s.Do(t, call{Path: "/other"}), http.StatusCreated)
+		wantProblem(t, s.Do(t, call{Path: "/payments/1"}), http.StatusBadRequest)
+		c := call{Path: "/payments/2", Key: newKey(), Body: payBody()}
+		first := s.Do(t, c)
+		wantReplayOf(t, s.Do(t, c), first)
+		wantCount(t, up, 2)
+	})
+}
+
+func TestCustomKeyHeader(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "key_header X-Request-Key")
+		body := payBody()
+		wantProblem(t, s.Do(t, call{Key: newKey(), Body: body}), http.StatusBadRequest) // Idempotency-Key is not it
+		c := call{Key: newKey(), KeyHeader: "X-Request-Key", Body: body}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, c), first)
+		wantCount(t, up, 1)
 	})
 }

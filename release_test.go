@@ -204,3 +204,67 @@ func dialError(t *testing.T) error {
 	}
 	return err
 }
+
+// Nothing can have executed when the upstream cannot be dialled: the key
+// is released and the retry executes (here: fails to dial again) instead
+// of getting a 409 or a replayed 502.
+func TestUndialableUpstreamReleasesKey(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		s := protectedSite(t, sb, "") // reverse_proxy to a closed port
+		c := call{Key: newKey(), Body: payBody()}
+		for i := range 3 {
+			r := s.Do(t, c)
+			if r.Status != http.StatusBadGateway || r.replayed() {
+				t.Fatalf("attempt %d: got %s, want a fresh 502", i+1, r)
+			}
+		}
+		if sb.Name == "postgres" {
+			if n := pgCount(t, sb); n != 0 {
+				t.Errorf("%d rows remain after released attempts, want 0: %v", n,
+					pgQuery(t, sb.DSN, "SELECT t::text FROM "+quoteIdent(sb.Table)+" t"))
+			}
+		}
+	})
+}
+
+// The upstream received the request and then died: it may have executed,
+// so the key must not be released. Catches releasing on every error.
+func TestUpstreamThatMayHaveExecutedIsNotReleased(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		for _, tc := range []struct {
+			name  string
+			warm  bool // an earlier request leaves a keep-alive connection: the crash is on a reused one
+			empty bool // an empty body (POST /orders/1/cancel)
+		}{
+			{"fresh connection", false, false},
+			{"reused connection", true, false},
+			{"reused connection, empty body", true, true},
+		} {
+			warm := tc.warm
+			t.Run(tc.name, func(t *testing.T) {
+				up := newUpstream(t)
+				s := protectedSite(t, sb, up.Addr())
+				if warm {
+					wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
+				}
+				n := up.Count()
+				c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Crash": "1"}}
+				if tc.empty {
+					c.Body = nil
+				}
+				first := s.Do(t, c)
+				if first.Status < 500 {
+					t.Fatalf("first: got %s, want a 5xx", first)
+				}
+				if got := up.Count(); got != n+1 {
+					t.Errorf("one client request reached the upstream %d times", got-n)
+				}
+				second := s.Do(t, c)
+				if second.Status < 400 {
+					t.Errorf("retry after a possible execution: got %s, want an error, not a success", second)
+				}
+				wantCount(t, up, n+1)
+			})
+		}
+	})
+}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -375,6 +376,212 @@ func TestHeadersCountTowardResponseLimit(t *testing.T) {
 			if !strings.HasSuffix(p.Type, "#not-replayable") {
 				t.Errorf("%s: problem %q, want #not-replayable", path, p.Type)
 			}
+		}
+	})
+}
+
+func TestErrorResponsesAreStoredAndReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr())
+		for _, status := range []int{http.StatusInternalServerError, http.StatusUnprocessableEntity} {
+			t.Run(strconv.Itoa(status), func(t *testing.T) {
+				n := up.Count()
+				c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Status": strconv.Itoa(status)}}
+				first := s.Do(t, c)
+				wantExecuted(t, first, status)
+				wantReplayOf(t, s.Do(t, c), first)
+				wantCount(t, up, n+1)
+			})
+		}
+	})
+}
+
+func TestLargeResponseIsNotReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "max_response_body 1024")
+		for _, tc := range []struct {
+			name       string
+			size       int
+			chunked    bool
+			replayable bool
+		}{
+			{"with Content-Length", 5000, false, false},
+			{"streamed", 5000, true, false},
+			// Headers count toward the limit too (about 250 bytes here).
+			{"body and headers under max_response_body", 700, false, true},
+			{"body and headers under max_response_body streamed", 700, true, true},
+			{"body of exactly max_response_body, with headers", 1024, false, false},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				n := up.Count()
+				h := map[string]string{"X-Test-Size": strconv.Itoa(tc.size)}
+				if tc.chunked {
+					h["X-Test-Chunked"] = "1"
+				}
+				c := call{Key: newKey(), Body: payBody(), Header: h}
+				first := s.Do(t, c)
+				wantExecuted(t, first, http.StatusCreated)
+				if want := sizedBody(first.Header.Get("X-Execution-Id"), tc.size); !bytes.Equal(first.Body, want) {
+					t.Errorf("the first caller got %d bytes, want the whole %d", len(first.Body), tc.size)
+				}
+				second := s.Do(t, c)
+				if tc.replayable {
+					wantReplayOf(t, second, first)
+				} else {
+					p := wantProblem(t, second, http.StatusConflict)
+					if text := strings.ToLower(p.Title + " " + p.Detail); !strings.Contains(text, "large") &&
+						!strings.Contains(text, "size") && !strings.Contains(text, "big") {
+						t.Errorf("the 409 should say the response was too large: %+v", p)
+					}
+					if second.Header.Get("Retry-After") != "" {
+						t.Errorf("a too-large response will never be replayable; Retry-After invites a retry")
+					}
+				}
+				wantCount(t, up, n+1)
+			})
+		}
+	})
+}
+
+// The response streams through as it is produced. Catches a recorder that
+// buffers the whole response before writing it.
+func TestStreamingPassesThrough(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr())
+		gate := "g-" + randomHex(4)
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
+		req, err := s.request(context.Background(), c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		type result struct {
+			first string
+			rest  []byte
+			err   error
+			resp  *http.Response
+		}
+		got := make(chan result, 1)
+		go func() {
+			resp, err := s.client.Do(req)
+			if err != nil {
+				got <- result{err: err}
+				return
+			}
+			defer resp.Body.Close()
+			buf := make([]byte, 64)
+			n, err := resp.Body.Read(buf)
+			first := string(buf[:n])
+			if err != nil && err != io.EOF {
+				got <- result{err: err}
+				return
+			}
+			got <- result{first: first, resp: resp}
+			up.Open(gate)
+			rest, err := io.ReadAll(resp.Body)
+			got <- result{rest: rest, err: err}
+		}()
+		var r1 result
+		select {
+		case r1 = <-got:
+		case <-time.After(3 * time.Second):
+			up.Open(gate)
+			t.Fatalf("the first flushed chunk did not reach the client while the upstream was still running")
+		}
+		if r1.err != nil {
+			t.Fatal(r1.err)
+		}
+		r2 := <-got
+		if r2.err != nil {
+			t.Fatal(r2.err)
+		}
+		id := r1.resp.Header.Get("X-Execution-Id")
+		whole := r1.first + string(r2.rest)
+		if want := "first-" + id + "\nsecond\n"; whole != want {
+			t.Fatalf("streamed body = %q, want %q", whole, want)
+		}
+		replay := s.Do(t, call{Key: c.Key, Body: c.Body})
+		if !replay.replayed() || string(replay.Body) != whole {
+			t.Errorf("replay of a streamed response: got %s, want body %q", replay, whole)
+		}
+		wantCount(t, up, 1)
+	})
+}
+
+// The module sits inside encode: it stores the identity body and encode
+// compresses each answer for its own client. Catches a recorder that
+// stores compressed bytes or encode's Content-Encoding header.
+func TestEncodeCompressesReplays(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	encode gzip
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), up.Addr()))
+		gz := map[string]string{"X-Test-Size": "4000", "Accept-Encoding": "gzip"}
+		c := call{Key: newKey(), Body: payBody(), Header: gz}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		want := sizedBody(first.Header.Get("X-Execution-Id"), 4000)
+		if first.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(gunzip(t, first.Body), want) {
+			t.Fatalf("the first answer is not the gzipped upstream body: %v", first.Header)
+		}
+		plain := s.Do(t, call{Key: c.Key, Body: c.Body, Header: map[string]string{"Accept-Encoding": "identity"}})
+		if !plain.replayed() || plain.Header.Get("Content-Encoding") != "" || !bytes.Equal(plain.Body, want) {
+			t.Errorf("a replay to a client without gzip must be the identity body: %v, %d bytes", plain.Header, len(plain.Body))
+		}
+		again := s.Do(t, c)
+		if !again.replayed() || again.Header.Get("Content-Encoding") != "gzip" || !bytes.Equal(gunzip(t, again.Body), want) {
+			t.Errorf("a replay to a gzip client must be gzipped once: %v", again.Header)
+		}
+		wantCount(t, up, 1)
+	})
+}
+
+func gunzip(t *testing.T, b []byte) []byte {
+	t.Helper()
+	zr, err := gzip.NewReader(bytes.NewReader(b))
+	if err != nil {
+		t.Fatalf("not gzip: %v", err)
+	}
+	out, err := io.ReadAll(zr)
+	if err != nil {
+		t.Fatalf("bad gzip: %v", err)
+	}
+	return out
+}
+
+func TestExcludedHeadersAreNotReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "exclude_headers x-secret Location") // names are case-insensitive
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Extra": "1"}}
+		first := s.Do(t, c)
+		wantExecuted(t, first, http.StatusCreated)
+		for _, h := range []string{"X-Secret", "Authorization", "Set-Cookie", "Location"} {
+			if first.Header.Get(h) == "" {
+				t.Errorf("the first caller must get the upstream's %s", h)
+			}
+		}
+		replay := s.Do(t, c)
+		if !replay.replayed() || !bytes.Equal(replay.Body, first.Body) {
+			t.Fatalf("want a replay, got %s", replay)
+		}
+		for _, h := range []string{"X-Secret", "Authorization", "Set-Cookie", "Location"} {
+			if v := replay.Header.Values(h); len(v) != 0 {
+				t.Errorf("replay carries %s: %q", h, v)
+			}
+		}
+		// The defaults stay excluded, the rest is kept.
+		if got := replay.Header.Values("X-Multi"); !equalStrings(got, []string{"one", "two"}) {
+			t.Errorf("replay X-Multi = %q, want [one two]", got)
 		}
 	})
 }

@@ -142,3 +142,20 @@ http://127.0.0.1:%d {
 		})
 	}
 }
+
+// Fail closed: no store, no execution. Catches failing open.
+func TestStoreUnreachableFailsClosed(t *testing.T) {
+	up := newUpstream(t)
+	dsn := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
+	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(),
+		fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable idem_unreachable\n\t\t\tmigrate off\n\t\t}", dsn))
+	r := s.Do(t, call{Key: newKey(), Body: payBody()})
+	if r.Status != http.StatusServiceUnavailable {
+		t.Fatalf("got %s, want 503", r)
+	}
+	wantRetryAfter(t, r)
+	wantProblem(t, r, http.StatusServiceUnavailable)
+	wantCount(t, up, 0)
+	// Unprotected requests do not need the store.
+	wantExecuted(t, s.Do(t, call{Method: http.MethodGet}), http.StatusCreated)
+}
