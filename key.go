@@ -1,10 +1,12 @@
 package idempotency
 
-// Parsing the Idempotency-Key header's value (contract step 1).
+// The idempotency key header: parsing its value (contract step 1), and
+// keeping it from Go's transport, which takes it as leave to re-send.
 
 import (
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 )
 
@@ -96,4 +98,39 @@ func parseQuotedKey(raw string) (string, error) {
 		}
 	}
 	return "", errKeyUnterminated
+}
+
+// hideKeyFromTransport re-files the idempotency key headers under their
+// lower-case spelling. Go's http.Transport takes a canonical
+// Idempotency-Key or X-Idempotency-Key as leave to re-send a bodiless
+// request on a dropped keep-alive connection (reverse_proxy sends a nil
+// body when Content-Length is 0): that would execute once more a request
+// this handler exists to execute once. Field names are case-insensitive,
+// so the upstream still receives the header.
+func hideKeyFromTransport(header http.Header) {
+	for _, name := range transportKeyHeaders {
+		if values, ok := header[name]; ok {
+			delete(header, name)
+			lower := strings.ToLower(name)
+			header[lower] = append(header[lower], values...)
+		}
+	}
+}
+
+// transportKeyHeaders are the key headers that Go's http.Transport reads.
+var transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
+
+// keyValues returns the values of the key header name, with those that a
+// handler around this one re-filed (hideKeyFromTransport): a handler
+// inside another reads the key that the outer one hid from the
+// transport. Go's servers file every header under its canonical name,
+// so a lower-case one is always re-filed.
+func keyValues(header http.Header, name string) []string {
+	values := header.Values(name)
+	for _, hidden := range transportKeyHeaders {
+		if http.CanonicalHeaderKey(name) == hidden {
+			return append(values[:len(values):len(values)], header[strings.ToLower(hidden)]...)
+		}
+	}
+	return values
 }

@@ -217,3 +217,7 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		}
 	}
 }
+
+// renewInterval is the longest a lock goes without a renewal sent: a
+// third of the lock timeout.
+func (h *Handler) renewInterval() time.Duration { return time.Duration(h.LockTimeout) / 3 }

@@ -1,0 +1,313 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptrace"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
+	"go.uber.org/zap"
+)
+
+// Steps 7 to 9 of the contract: executing a request that owns its
+// record, then storing its response, or giving the key back when nothing
+// can have run.
+
+// execute runs the next handler for a request that owns its key, and
+// stores its response, or releases the key if nothing can have run. The
+// lock was dated no earlier than lockedSince.
+func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) error {
+	// The protected work must not be cancelled by the client going away:
+	// that is exactly when a retry will come, and it must find a stored
+	// response, not a half-done request. The work is bounded instead by
+	// ExecutionTimeout, counted from the disconnect.
+	//
+	// The context also notes the record that the request executes under
+	// (for a handler inside this one, nesting.go), and carries a trace
+	// that notes whether any attempt got a connection to an upstream:
+	// reverse_proxy sends its requests, and every lb_retries attempt, on
+	// the request's context, and Go's transport (HTTP/1 and HTTP/2)
+	// reports a connection before it writes anything to it.
+	trace := newReachTrace()
+	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
+		withOwned(context.WithoutCancel(r.Context()), h.records, rk), &trace.trace))
+	defer cancel()
+	stopWatch := context.AfterFunc(r.Context(), func() {
+		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel()
+		case <-execCtx.Done():
+		}
+	})
+	defer stopWatch()
+
+	repl.Set("http.idempotency.result", h.result(resultExecuted))
+	ls := h.keepLock(rk, token, key, credID, lockedSince)
+	rec := newRecorder(w, h.MaxResponseBody)
+	panicked, err := serveRecovering(next, rec, r.WithContext(execCtx))
+	if panicked == errResendRefused {
+		// The trace stopped a second sending of the request: an answer
+		// like any failed attempt that reached the upstream.
+		panicked, err = nil, errResendRefused
+	}
+	if panicked != nil {
+		// reverse_proxy panics with http.ErrAbortHandler when the
+		// upstream fails in the middle of its response, and `abort`
+		// always does. Unrecorded, the record would stay in progress,
+		// and every retry get 409 until the record expired. The upstream
+		// may have acted, so the answer stored is the outcome-unknown
+		// one, not the part of a response that the client got.
+		h.logger.Error("idempotency.outcome_unknown",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.Any("panic", panicked))
+		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), ls)
+		panic(panicked)
+	}
+	// The body has been handed on (and read to its end): let it go
+	// before the completion copies the response, so that a request holds
+	// its body or its response's copies, not both.
+	r.Body = http.NoBody
+
+	if refusedWithin(repl) && !trace.reached.Load() {
+		// Nothing ran: the key is released, and the answer of the handler
+		// that refused stays the result, since the client got it.
+		ls.stop()
+		if !h.release(rk, token, key, credID, r, errRefusedWithin) {
+			repl.Set("http.idempotency.result", h.result(resultStoreError))
+		}
+		return err
+	}
+	if err != nil && !rec.wroteHeader {
+		_, proxied := repl.Get(upstreamPlaceholder)
+		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
+			ls.stop()
+			result := resultReleased
+			if !h.release(rk, token, key, credID, r, err) {
+				result = resultStoreError
+			}
+			repl.Set("http.idempotency.result", h.result(result))
+			return err
+		}
+	}
+	resp := rec.response(h.excluded)
+	// An error before any response, or a cut-off execution (reverse_proxy
+	// answers 499 when execution_timeout cancels it, with nothing the
+	// retry could use), leaves the outcome unknown: the upstream may
+	// have acted on the request. Storing that answer is what keeps a
+	// retry from running it a second time.
+	if err != nil && !rec.wroteHeader || execCtx.Err() != nil || rec.status == statusClientClosedRequest {
+		p := probOutcomeUnknown.worded(h.words)
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) && he.StatusCode >= 500 {
+			p.Status = he.StatusCode
+		}
+		h.logger.Error("idempotency.outcome_unknown",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
+		if !rec.wroteHeader && !h.Shadow {
+			p.write(rec, 0)
+		}
+		resp = p.response()
+	}
+
+	stored := h.complete(rk, token, key, credID, r, resp, ls)
+	if h.Shadow {
+		// Shadow mode changes no response: the error goes on to the
+		// site's error handling, as it would without this handler.
+		return err
+	}
+	if !stored {
+		// The client has the response as it streamed, but not its end:
+		// a chunked body's last chunk, an HTTP/2 stream's end, go out
+		// only once this returns. A response that no retry will get
+		// must not end as a success, so the connection is cut instead
+		// (a body with a Content-Length may already be whole).
+		panic(http.ErrAbortHandler)
+	}
+	return nil
+}
+
+// statusClientClosedRequest is what reverse_proxy writes when its
+// request's context is cancelled.
+const statusClientClosedRequest = 499
+
+// serveRecovering calls next, and returns what it panicked with, if it
+// did, instead of panicking.
+func serveRecovering(next caddyhttp.Handler, w http.ResponseWriter, r *http.Request) (panicked any, err error) {
+	defer func() { panicked = recover() }()
+	return nil, next.ServeHTTP(w, r)
+}
+
+// reachTrace notes whether a request got a connection to an upstream,
+// and refuses to send a request to an upstream a second time.
+//
+// Go's HTTP/1 transport sends a request again, on a new connection, when
+// a reused connection breaks after the request was written and before
+// any answer: for GET and the like, and for any bodiless request that
+// carries a canonical Idempotency-Key or X-Idempotency-Key header (the
+// transport takes it for leave to retry). hideKeyFromTransport re-files
+// the client's header, but a `header_up Idempotency-Key ...` behind this
+// handler puts it back; and reverse_proxy's own retries, with an
+// lb_retry_match that allows the method, send a written request to the
+// next upstream. Either way the upstream may have acted on the first
+// sending, so a new connection asked for while a written HTTP/1 request
+// has had no answer is refused: the request ends as outcome-unknown,
+// never executed twice. HTTP/2 is left alone: its transport re-sends
+// only streams that the server refused unprocessed (REFUSED_STREAM,
+// GOAWAY).
+type reachTrace struct {
+	trace   httptrace.ClientTrace
+	reached atomic.Bool
+	// unanswered is set when an HTTP/1 request was written (its first
+	// field, Host, went out) and cleared by the first byte of an answer.
+	unanswered atomic.Bool
+}
+
+// errResendRefused is what a reachTrace panics with, in the goroutine
+// that sends the request, to stop the transport from sending it again.
+var errResendRefused = errors.New("idempotency: refused to send a protected request to an upstream a second time")
+
+func newReachTrace() *reachTrace {
+	t := new(reachTrace)
+	t.trace.GetConn = func(string) {
+		if t.unanswered.Load() {
+			panic(errResendRefused)
+		}
+	}
+	t.trace.GotConn = func(httptrace.GotConnInfo) { t.reached.Store(true) }
+	t.trace.WroteHeaderField = func(name string, _ []string) {
+		// HTTP/2 writes ":authority" and the other pseudo-fields first.
+		if name == "Host" {
+			t.unanswered.Store(true)
+		}
+	}
+	t.trace.GotFirstResponseByte = func() { t.unanswered.Store(false) }
+	return t
+}
+
+// upstreamPlaceholder is set by reverse_proxy (and php_fastcgi,
+// forward_auth) for every upstream it tries, before it dials.
+const upstreamPlaceholder = "http.reverse_proxy.upstream.address"
+
+// nothingExecuted reports whether err, returned without a response by a
+// request that got no connection to any upstream, proves that the
+// request never reached one, so that releasing its key cannot cause a
+// second execution. proxied says whether a reverse_proxy picked an
+// upstream for the request (or for an earlier one on its replacer).
+func nothingExecuted(err error, proxied bool) bool {
+	// A dial error, or reverse_proxy's "no upstreams available" (a 503
+	// without a dial error): the last attempt sent nothing, and the trace
+	// says no earlier one did.
+	var dialErr reverseproxy.DialError
+	if errors.As(err, &dialErr) {
+		return true
+	}
+	var he caddyhttp.HandlerError
+	if !errors.As(err, &he) {
+		return false
+	}
+	if he.StatusCode == http.StatusServiceUnavailable && he.Err != nil && he.Err.Error() == "no upstreams available" {
+		return true
+	}
+	// A 4xx is a handler refusing the request (a static error, a rate
+	// limit), unless a reverse_proxy took part: handle_response's
+	// `error` answers after the upstream acted, and a transport that no
+	// trace sees (FastCGI) may have sent the request. 499 is
+	// reverse_proxy's "canceled" after the request may have been sent.
+	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
+}
+
+// attemptTimeout bounds one attempt to complete a record: the store
+// timeout, or half a renewal interval if that is shorter (complete).
+func (h *Handler) attemptTimeout() time.Duration { return min(storeTimeout, h.renewInterval()/2) }
+
+// renew dates the lock anew, in one bounded round trip.
+func (h *Handler) renew(rk RecordKey, token LockToken) error {
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	defer cancel()
+	return h.store.Renew(ctx, rk, token)
+}
+
+// complete stores the response, then lets the lease go. The client
+// already has it; a failure here leaves the record in progress until its
+// lock expires, and then a retry would run again. So it is retried for
+// as long as the lock, which ls goes on renewing meanwhile, cannot have
+// been taken over: a store that lost its connections (a restart, a
+// failover) fails the first statements on each of the pool's dead
+// connections before a fresh one is dialled, and a fixed few attempts
+// can all meet one. An attempt is given half a renewal interval, not
+// the whole store timeout: a reply that never comes (a host gone silent)
+// would otherwise use up the lease of a short lock_timeout before a
+// second attempt, on a live connection, could be sent. A response that
+// the store can never take (ErrUnstorable) is not retried: the record is
+// completed as not replayable instead, so that a retry is refused, not
+// executed. It reports whether the record holds the response (or that
+// refusal).
+func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, ls *lease) (stored bool) {
+	ls.completing()
+	defer ls.stop()
+	var err error
+	degraded := false
+	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
+		ctx, cancel := context.WithTimeout(context.Background(), h.attemptTimeout())
+		err = h.store.Complete(ctx, rk, token, resp, time.Duration(h.Retention))
+		cancel()
+		if errors.Is(err, ErrUnstorable) && !degraded {
+			h.logger.Error("idempotency.unstorable_response",
+				zap.String("key", key), zap.String("credential_id", credID),
+				zap.String("method", r.Method), zap.String("path", clientPath(r)),
+				zap.Int("status", resp.Status), zap.Error(err))
+			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
+			continue
+		}
+		deadline := ls.since().Add(time.Duration(h.LockTimeout))
+		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
+			break
+		}
+		time.Sleep(backoff)
+	}
+	switch {
+	case errors.Is(err, ErrLockLost):
+		h.logger.Error("idempotency.lock_lost",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("during", "complete"))
+	case err != nil:
+		h.storeError("complete", key, credID, r, err)
+	}
+	return err == nil
+}
+
+// release deletes the record of a request that never executed. It
+// reports false if the store failed: the record is then still in
+// progress, until its lock goes stale.
+func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	defer cancel()
+	switch err := h.store.Release(ctx, rk, token); {
+	case errors.Is(err, ErrLockLost):
+		// Nothing was released: the record is another request's now.
+		h.logger.Warn("idempotency.lock_lost",
+			zap.String("key", key), zap.String("credential_id", credID),
+			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("during", "release"))
+		return true
+	case err != nil:
+		h.storeError("release", key, credID, r, err)
+		return false
+	}
+	h.logger.Info("idempotency.release",
+		zap.String("key", key), zap.String("credential_id", credID),
+		zap.String("method", r.Method), zap.String("path", clientPath(r)),
+		zap.NamedError("cause", cause))
+	return true
+}
