@@ -103,7 +103,7 @@ func (d *decision) write(c *zapcore.CheckedEntry, key, credID string, r *http.Re
 	f = append(f, lead...)
 	f = append(f,
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", clientPath(r)))
+		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
 	c.Write(append(f, d.extra[:d.nextra]...)...)
 }
 
@@ -162,7 +162,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response,
 		if err := copyGunzipped(w, resp.Body); err != nil {
 			// The client has part of a body: abort the response
 			// rather than end it as though it were whole.
-			h.logger.Error("idempotency.replay_decode", zap.String("path", clientPath(r)), zap.Error(err))
+			h.logger.Error("idempotency.replay_decode", zap.String("host", logHost(r)), zap.String("path", clientPath(r)), zap.Error(err))
 			panic(http.ErrAbortHandler)
 		}
 	} else {

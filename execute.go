@@ -66,7 +66,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		// one, not the part of a response that the client got.
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Any("panic", panicked))
 		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), ls)
 		panic(panicked)
@@ -111,7 +111,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		}
 		h.logger.Error("idempotency.outcome_unknown",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
 		if !rec.wroteHeader && !h.Shadow {
 			p.write(rec, 0)
@@ -264,7 +264,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 		if errors.Is(err, ErrUnstorable) && !degraded {
 			h.logger.Error("idempotency.unstorable_response",
 				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("method", r.Method), zap.String("path", clientPath(r)),
+				zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 				zap.Int("status", resp.Status), zap.Error(err))
 			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
@@ -279,7 +279,7 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	case errors.Is(err, ErrLockLost):
 		h.logger.Error("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "complete"))
 	case err != nil:
 		h.storeError("complete", key, credID, r, err)
@@ -298,7 +298,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 		// Nothing was released: the record is another request's now.
 		h.logger.Warn("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "release"))
 		return true
 	case err != nil:
@@ -307,7 +307,7 @@ func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *
 	}
 	h.logger.Info("idempotency.release",
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", clientPath(r)),
+		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 		zap.NamedError("cause", cause))
 	return true
 }

@@ -68,6 +68,12 @@ func clientPath(r *http.Request) string {
 	return clientRequest(r).URL.EscapedPath()
 }
 
+// logHost is r's Host as log lines name it: as the fingerprint takes it,
+// so that a line names the site whose records it is about.
+func logHost(r *http.Request) string {
+	return strings.ToLower(r.Host)
+}
+
 // headOf describes r for fingerprint. Two sites behind one store must
 // not answer with each other's responses, so the Host takes part; host
 // names are case-insensitive, so it is lower-cased, and the port is kept.

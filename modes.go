@@ -92,7 +92,7 @@ func (h *Handler) result(r string) string {
 func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, body []byte, key, credID string) error {
 	h.logger.Warn("idempotency.fail_open",
 		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", clientPath(r)))
+		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
 	repl.Set("http.idempotency.result", resultFailOpen)
 	restoreBody(r, body, nil)
 	return next.ServeHTTP(w, r)
@@ -147,7 +147,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 	defer h.executing.Add(-1)
 	token := newLockToken()
 	sent := time.Now() // the lock is dated no earlier: see ServeHTTP
-	acq, err := h.acquire(r.Context(), h.acquireRequest(r, rk, token, fp))
+	acq, err := h.acquire(r.Context(), h.acquireRequest(r, rk, token, fp), logHost(r))
 	if err != nil {
 		h.storeError("acquire", key, credID, r, err)
 		return pass(resultStoreError)

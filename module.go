@@ -223,7 +223,9 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 
 // Provision sets defaults, loads the store and starts pruning.
 func (h *Handler) Provision(ctx caddy.Context) error {
-	h.logger = ctx.Logger()
+	// Every line names the HTTP server, as the metrics do: one Caddy logs
+	// for several servers, whose handlers' lines look alike otherwise.
+	h.logger = ctx.Logger().With(zap.String("server", serverName(ctx)))
 
 	if h.KeyHeader == "" {
 		h.KeyHeader = defaultKeyHeader
@@ -512,7 +514,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		if h.OnStoreError == onStoreErrorFailOpen {
 			// The body is unread: it goes on as it came.
 			h.logger.Warn("idempotency.fail_open", zap.String("key", key), zap.String("credential_id", ""),
-				zap.String("method", r.Method), zap.String("path", clientPath(r)))
+				zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
 			repl.Set("http.idempotency.result", resultFailOpen)
 			hideKeyFromTransport(r.Header)
 			return next.ServeHTTP(w, r)
@@ -545,7 +547,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	defer h.executing.Add(-1)
 	token := newLockToken()
 	sent := time.Now()
-	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(r, rk, token, fp))
+	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(r, rk, token, fp), logHost(r))
 	if err != nil {
 		h.storeError("acquire", key, credID, r, err)
 		if h.OnStoreError == onStoreErrorFailOpen {
@@ -594,7 +596,7 @@ func (h *Handler) confirmLate(r *http.Request, rk RecordKey, token LockToken, ke
 	case errors.Is(err, ErrLockLost):
 		h.logger.Warn("idempotency.lock_lost",
 			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("method", r.Method), zap.String("path", clientPath(r)),
+			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
 			zap.String("during", "confirm"))
 		return sent, &verdict{resultInProgress, probInProgress, h.retrySecs}
 	case err != nil:
@@ -620,7 +622,7 @@ func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken,
 	}
 }
 
-func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) (AcquireResult, error) {
 	// Not cancelled by the client leaving: a cancelled statement may
 	// have committed all the same, leaving a lock that nobody owns, and
 	// every retry would get 409 until lock_timeout. A request that
@@ -634,7 +636,7 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest) (AcquireResul
 		// while waiting), rather than by each caller.
 		h.logger.Warn("idempotency.takeover",
 			zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
-			zap.String("method", req.Method), zap.String("path", req.Path),
+			zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path),
 			zap.Duration("lock_timeout", req.LockTimeout))
 	}
 	return res, err
@@ -651,7 +653,7 @@ func (h *Handler) storeError(op, key, credID string, r *http.Request, err error)
 	h.logger.Error("idempotency.store_error",
 		zap.String("operation", op), zap.String("key", key),
 		zap.String("credential_id", credID),
-		zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
+		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
 }
 
 // Results, as {http.idempotency.result} shows them.

@@ -103,7 +103,9 @@ http://127.0.0.1:%d {
 	shadow.Do(t, sc)
 	waitFor(t, 15*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
 
-	common := []string{"key", "credential_id", "method", "path"}
+	// One Caddy logs for several sites and servers: each line names its
+	// HTTP server, and a request's lines the Host it was sent to.
+	common := []string{"server", "host", "key", "credential_id", "method", "path"}
 	want := []struct {
 		msg, level string
 		fields     []string
@@ -116,7 +118,7 @@ http://127.0.0.1:%d {
 		{"idempotency.store_error", "error", append(common, "operation", "error")},
 		{"idempotency.fail_open", "warn", common},
 		{"idempotency.shadow", "info", append(common, "would", "original_status", "age_seconds")},
-		{"idempotency.prune", "info", []string{"rows"}},
+		{"idempotency.prune", "info", []string{"server", "rows"}},
 	}
 	lines := srv.moduleLogLines(t)
 	for _, w := range want {
@@ -145,6 +147,22 @@ http://127.0.0.1:%d {
 		if found["path"] != nil && found["path"] != "/v1/charges" {
 			t.Errorf("%s path = %v", w.msg, found["path"])
 		}
+		if srvName, _ := found["server"].(string); !strings.HasPrefix(srvName, "srv") {
+			t.Errorf("%s server = %v, want the HTTP server's name", w.msg, found["server"])
+		}
+	}
+	servers := map[string]any{}
+	for _, l := range lines {
+		switch l["msg"] {
+		case "idempotency.replay", "idempotency.fail_open":
+			if l["host"] != "127.0.0.1" { // the Host the site clients send
+				t.Errorf("%s host = %v, want 127.0.0.1", l["msg"], l["host"])
+			}
+			servers[l["msg"].(string)] = l["server"]
+		}
+	}
+	if servers["idempotency.replay"] == servers["idempotency.fail_open"] {
+		t.Errorf("the lines of two sites on two servers name one server, %v", servers["idempotency.replay"])
 	}
 	// A sample of each line, as written, for the README and the curious.
 	data, err := os.ReadFile(srv.LogPath)

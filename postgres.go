@@ -151,7 +151,8 @@ func defaultMaxConns() int32 {
 // provisions a config that it only validates, too. The migrations wait
 // for the config to run (startup.go).
 func (s *PostgresStore) Provision(ctx caddy.Context) error {
-	s.logger = ctx.Logger()
+	// Named by the server of the handler whose store this is, as its lines are.
+	s.logger = ctx.Logger().With(zap.String("server", serverName(ctx)))
 	// Caddy validates after provisioning; refuse a bad config before
 	// connecting to anything.
 	if err := s.Validate(); err != nil {

@@ -20,8 +20,8 @@ import (
 // released. It also wakes at least every LockTimeout, because an owner
 // that died sends no news and its lock can only be taken over once it
 // is stale.
-func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	acq, err := h.acquire(ctx, req)
+func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest, host string) (AcquireResult, error) {
+	acq, err := h.acquire(ctx, req, host)
 	if err != nil || h.waiter == nil || !waitable(acq, req) {
 		return acq, err
 	}
@@ -30,7 +30,7 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest) (Acquir
 	waits := 0
 	for {
 		var waited bool
-		acq, waited, err = h.waitOnce(ctx, req, deadline)
+		acq, waited, err = h.waitOnce(ctx, req, host, deadline)
 		if !waited || ctx.Err() != nil {
 			break
 		}
@@ -39,7 +39,7 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest) (Acquir
 	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.wait"); c != nil {
 		c.Write(zap.String("key", req.Key.Key),
 			zap.String("credential_id", credentialID(req.Key.CredentialHash)),
-			zap.String("method", req.Method), zap.String("path", req.Path),
+			zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path),
 			zap.Float64("waited_seconds", time.Since(start).Seconds()),
 			zap.Int("waits", waits), zap.Bool("still_in_progress", err == nil && waitable(acq, req)))
 	}
@@ -52,11 +52,11 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest) (Acquir
 // news, the deadline, a stale lock or the client leaving. It returns what
 // the look found, and whether it waited after it: if so, the caller must
 // look again.
-func (h *Handler) waitOnce(ctx context.Context, req AcquireRequest, deadline time.Time) (acq AcquireResult, waited bool, err error) {
+func (h *Handler) waitOnce(ctx context.Context, req AcquireRequest, host string, deadline time.Time) (acq AcquireResult, waited bool, err error) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := h.waiter.WaitCompleted(wctx, req.Key)
-	acq, err = h.acquire(ctx, req)
+	acq, err = h.acquire(ctx, req, host)
 	remaining := time.Until(deadline)
 	if err != nil || !waitable(acq, req) || remaining <= 0 {
 		return acq, false, err
