@@ -267,6 +267,24 @@ func (h *Handler) provisionCredentials(store any) error {
 	return nil
 }
 
+// authChallenge is the WWW-Authenticate challenge of a 401 for a request
+// without a credential, which RFC 9110 requires on every 401. A credential
+// in Authorization is a token (RFC 6750's Bearer, as payment APIs use):
+// a request that sent none gets a bare Bearer challenge, without an error
+// code, as RFC 6750 has for a request without authentication. A header of
+// the API's own (X-Api-Key) has no registered scheme: ApiKey, with the
+// header to send, tells a client what is missing, and one that does not
+// know the scheme ignores it. A placeholder that reads no header
+// ({http.auth.user.id}) gets Bearer too: the authentication in front of
+// this handler answers the requests it refuses with its own challenge,
+// and this one only the requests it let through without a user.
+func authChallenge(credHeader string) string {
+	if credHeader == "" || http.CanonicalHeaderKey(credHeader) == "Authorization" {
+		return "Bearer"
+	}
+	return `ApiKey header="` + credHeader + `"`
+}
+
 // identify does steps 1 and 2: it reads the key and the credential, and
 // hashes the credential at once, so that the raw value goes no further.
 // It returns the problem to answer for a client's error, or an error if

@@ -658,3 +658,40 @@ func testCredentialHeadersAreNotReplayed(t *testing.T, directive string) {
 		}
 	})
 }
+
+// RFC 9110 requires a WWW-Authenticate challenge on every 401: a request
+// without its credential learns which scheme, or which header, to send.
+// No other problem carries one.
+func TestCredentialMissingChallenges(t *testing.T) {
+	up := newUpstream(t)
+	for _, tc := range []struct {
+		name       string
+		directives []string
+		credHeader string
+		want       string
+	}{
+		{"Authorization", nil, "", "Bearer"},
+		{"credential_header", []string{"credential_header X-Api-Key"}, "X-Api-Key", `ApiKey header="X-Api-Key"`},
+		{"credential placeholder of a header", []string{"credential {http.request.header.X-User}"}, "X-User", `ApiKey header="X-User"`},
+		{"credential placeholder of no header", []string{"credential {http.auth.user.id}"}, "", "Bearer"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := protectedSite(t, storeBackend{Name: "memory"}, up.Addr(), tc.directives...)
+			for _, cred := range []string{noCred, " "} {
+				resp := s.Do(t, call{Key: newKey(), Body: payBody(), Cred: cred, CredHeader: tc.credHeader})
+				wantProblem(t, resp, http.StatusUnauthorized)
+				if got := resp.Header.Values("WWW-Authenticate"); len(got) != 1 || got[0] != tc.want {
+					t.Errorf("credential %q: WWW-Authenticate %q, want %q", cred, got, tc.want)
+				}
+			}
+			if tc.credHeader != "" {
+				resp := s.Do(t, call{Body: payBody(), Cred: "secret", CredHeader: tc.credHeader})
+				wantProblem(t, resp, http.StatusBadRequest)
+				if got := resp.Header.Values("WWW-Authenticate"); len(got) != 0 {
+					t.Errorf("a 400 carries WWW-Authenticate %q", got)
+				}
+			}
+		})
+	}
+	wantCount(t, up, 0)
+}

@@ -197,6 +197,8 @@ type Handler struct {
 	// credHeader is the header that the credential is read from
 	// (credentialSource), or "" for a placeholder that reads none.
 	credHeader string
+	// challenge is the WWW-Authenticate of a 401 (authChallenge).
+	challenge string
 	// words rewords the problems that name a header, for handlers with
 	// another key_header or credential_header.
 	words map[string]problemWording
@@ -287,6 +289,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("idempotency: %w", err)
 	}
 	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
+	h.challenge = authChallenge(h.credHeader)
 	h.executing = new(atomic.Int64)
 	h.keeper = newLockKeeper(h)
 	if ps, ok := mod.(*PostgresStore); ok {
@@ -674,8 +677,11 @@ func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string
 		c.Write(zap.String("key", key), zap.Int("status", p.Status), zap.String("title", p.Title))
 	}
 	retryAfter := 0
-	if p.Status == http.StatusServiceUnavailable {
+	switch p.Status {
+	case http.StatusServiceUnavailable:
 		retryAfter = h.retrySecs
+	case http.StatusUnauthorized:
+		w.Header().Set("WWW-Authenticate", h.challenge)
 	}
 	return h.finish(w, repl, resultRejected, p, retryAfter)
 }
