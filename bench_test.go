@@ -68,9 +68,7 @@ func newReplayBench(tb testing.TB, respSize int, cache bool) *replayBench {
 	if !cache {
 		h.ReplayCache = new(int64)
 	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	tb.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
+	if err := provisionHandler(tb, h); err != nil {
 		tb.Fatal(err)
 	}
 	if rc, ok := h.store.(*replayCache); ok {

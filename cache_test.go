@@ -449,9 +449,7 @@ func TestReplayCacheProvision(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := &Handler{ReplayCache: tc.cache, PruneInterval: new(caddy.Duration)}
 			h.StoreRaw = []byte(`{"backend":"` + tc.backend + `"}`)
-			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-			defer cancel()
-			if err := h.Provision(ctx); err != nil {
+			if err := provisionHandler(t, h); err != nil {
 				t.Fatal(err)
 			}
 			if err := h.Validate(); err != nil {
@@ -475,9 +473,7 @@ func TestReplayCacheProvision(t *testing.T) {
 	neg := int64(-1)
 	h := &Handler{ReplayCache: &neg, PruneInterval: new(caddy.Duration)}
 	h.StoreRaw = []byte(`{"backend":"cache_test"}`)
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := h.Provision(ctx); err != nil {
+	if err := provisionHandler(t, h); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.Validate(); err == nil {

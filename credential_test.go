@@ -298,9 +298,7 @@ func TestCredentialSecretConfigured(t *testing.T) {
 	secret := "configured-" + randomHex(16)
 	t.Setenv("IDEMPOTENCY_TEST_CRED_SECRET", secret)
 	h := &Handler{CredentialSecret: "{env.IDEMPOTENCY_TEST_CRED_SECRET}"}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	if err := h.Provision(ctx); err != nil {
+	if err := provisionHandler(t, h); err != nil {
 		t.Fatal(err)
 	}
 	js, err := json.Marshal(h)
@@ -360,14 +358,12 @@ func TestConstantCredentialRefused(t *testing.T) {
 		{Credential: "tenant-x"},
 		{Credential: "tenant-{http.request.header.X-Tenant}"},
 	} {
-		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-		if err := h.Provision(ctx); err != nil {
+		if err := provisionHandler(t, h); err != nil {
 			t.Fatal(err)
 		}
 		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "one scope") {
 			t.Errorf("Validate of credential %q: %v, want an error", h.Credential, err)
 		}
-		cancel()
 	}
 }
 
@@ -380,14 +376,12 @@ func TestCredentialKeyHeaderRefused(t *testing.T) {
 		{KeyHeader: "X-Api-Key", CredentialHeader: "x-api-key"},
 		{KeyHeader: "X-K", Credential: "{http.request.header.x-k}"},
 	} {
-		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-		if err := h.Provision(ctx); err != nil {
+		if err := provisionHandler(t, h); err != nil {
 			t.Fatal(err)
 		}
 		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "carries credentials") {
 			t.Errorf("Validate of key_header %q: %v, want an error", h.KeyHeader, err)
 		}
-		cancel()
 	}
 }
 

@@ -1152,14 +1152,25 @@ func quoteIdent(name string) string {
 // ---------------------------------------------------------------------------
 // A handler, called directly
 
+// provisionHandler provisions h outside a config, and unloads it at the
+// test's end as Caddy unloads a config: h's Cleanup, then its context's
+// (its store's). A handler made by hand stays among the admin API's
+// running stores otherwise, in the tests that follow.
+func provisionHandler(tb testing.TB, h *Handler) error {
+	tb.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	tb.Cleanup(cancel)
+	err := h.Provision(ctx)
+	tb.Cleanup(func() { _ = h.Cleanup() })
+	return err
+}
+
 // lockHandler is a provisioned handler on a fresh memory store, wrapped
 // by a scriptedStore, logging to an observer.
 func lockHandler(t *testing.T, lockTimeout time.Duration) (*Handler, *scriptedStore, *observer.ObservedLogs) {
 	t.Helper()
 	h := &Handler{LockTimeout: caddy.Duration(lockTimeout), PruneInterval: new(caddy.Duration)}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
+	if err := provisionHandler(t, h); err != nil {
 		t.Fatal(err)
 	}
 	core, logs := observer.New(zap.InfoLevel)

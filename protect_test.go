@@ -5,13 +5,10 @@ package idempotency
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"strings"
 	"testing"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // Django, Flask and Laravel upper-case the method and run `post` as
@@ -64,9 +61,7 @@ func TestSafeMethodsAreRefused(t *testing.T) {
 // provisionAndValidate does what Caddy does with a handler's JSON config.
 func provisionAndValidate(t *testing.T, h *Handler) error {
 	t.Helper()
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
+	if err := provisionHandler(t, h); err != nil {
 		return err
 	}
 	return h.Validate()
