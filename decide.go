@@ -5,7 +5,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -17,20 +16,20 @@ import (
 
 // existing answers a request whose key already has a record that this
 // request does not own.
-func (h *Handler) existing(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, key, credID string, fp [32]byte, rec *Record) error {
-	d := h.decide(r, rec, fp)
+func (h *Handler) existing(q *request, rec *Record) error {
+	d := h.decide(q, rec)
 	if c := h.logger.Check(zapcore.InfoLevel, d.msg); c != nil {
-		d.write(c, key, credID, r)
+		d.write(c, q)
 	}
 	if d.result != resultReplayed {
 		if d.counts != nil {
 			d.counts.Inc()
 		}
-		return h.finish(w, repl, d.result, d.prob, d.retryAfter)
+		return h.finish(q.w, q.repl, d.result, d.prob, d.retryAfter)
 	}
 	h.metrics.replayAge.Observe(d.age)
-	repl.Set("http.idempotency.result", resultReplayed)
-	h.replay(w, r, rec.Response, d.gunzip)
+	q.repl.Set("http.idempotency.result", resultReplayed)
+	h.replay(q.w, q.r, rec.Response, d.gunzip)
 	return nil
 }
 
@@ -51,9 +50,9 @@ type decision struct {
 	counts prometheus.Counter
 }
 
-// decide is what r, with fingerprint fp, gets for the record rec of its
-// key, which it does not own.
-func (h *Handler) decide(r *http.Request, rec *Record, fp [32]byte) decision {
+// decide is what q gets for the record rec of its key, which it does not
+// own.
+func (h *Handler) decide(q *request, rec *Record) decision {
 	// An expired record is absent. A store never answers one, but one
 	// that raced the record's re-execution would: the request then gets
 	// the answer of the record in progress, never one of the expired
@@ -62,7 +61,7 @@ func (h *Handler) decide(r *http.Request, rec *Record, fp [32]byte) decision {
 	if rec.TTL <= 0 {
 		return decided(resultInProgress, probInProgress, h.retrySecs, "idempotency.in_progress", zap.Bool("expired", true))
 	}
-	if rec.Fingerprint != fp {
+	if rec.Fingerprint != q.fp {
 		return decided(resultMismatch, h.mismatchProblem(), 0, "idempotency.mismatch",
 			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))
 	}
@@ -77,7 +76,7 @@ func (h *Handler) decide(r *http.Request, rec *Record, fp [32]byte) decision {
 		d.counts = h.metrics.notReplayable
 		return d
 	}
-	gunzip, prob := replayCoding(r, resp)
+	gunzip, prob := replayCoding(q.r, resp)
 	if prob != nil {
 		return decided(resultRejected, *prob, 0, "idempotency.not_acceptable",
 			zap.Int("original_status", resp.Status), zap.Strings("content_encoding", resp.Header.Values("Content-Encoding")))
@@ -96,14 +95,11 @@ func decided(result string, p problem, retryAfter int, msg string, extra ...zap.
 	return d
 }
 
-// write writes d's line for the request r: the fields lead, those of the
+// write writes d's line for the request q: the fields lead, those of the
 // request, then d's own.
-func (d *decision) write(c *zapcore.CheckedEntry, key, credID string, r *http.Request, lead ...zap.Field) {
-	f := make([]zap.Field, 0, len(lead)+4+d.nextra)
-	f = append(f, lead...)
-	f = append(f,
-		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
+func (d *decision) write(c *zapcore.CheckedEntry, q *request, lead ...zap.Field) {
+	f := make([]zap.Field, 0, len(lead)+5+d.nextra)
+	f = q.appendFields(append(f, lead...))
 	c.Write(append(f, d.extra[:d.nextra]...)...)
 }
 

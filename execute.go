@@ -8,7 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -19,9 +18,9 @@ import (
 // can have run.
 
 // execute runs the next handler for a request that owns its key, and
-// stores its response, or releases the key if nothing can have run. The
-// lock was dated no earlier than lockedSince.
-func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) error {
+// stores its response, or releases the key if nothing can have run.
+func (h *Handler) execute(q *request) error {
+	r, repl := q.r, q.repl
 	// The protected work must not be cancelled by the client going away:
 	// that is exactly when a retry will come, and it must find a stored
 	// response, not a half-done request. The work is bounded instead by
@@ -35,7 +34,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	// reports a connection before it writes anything to it.
 	trace := newReachTrace()
 	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
-		withOwned(context.WithoutCancel(r.Context()), h.records, rk), &trace.trace))
+		withOwned(context.WithoutCancel(r.Context()), h.records, q.rk), &trace.trace))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -49,9 +48,9 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 	defer stopWatch()
 
 	repl.Set("http.idempotency.result", h.result(resultExecuted))
-	ls := h.keepLock(rk, token, key, credID, lockedSince)
-	rec := newRecorder(w, h.MaxResponseBody)
-	panicked, err := serveRecovering(next, rec, r.WithContext(execCtx))
+	ls := h.keepLock(q)
+	rec := newRecorder(q.w, h.MaxResponseBody)
+	panicked, err := serveRecovering(q.next, rec, r.WithContext(execCtx))
 	if panicked == errResendRefused {
 		// The trace stopped a second sending of the request: an answer
 		// like any failed attempt that reached the upstream.
@@ -64,11 +63,8 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		// and every retry get 409 until the record expired. The upstream
 		// may have acted, so the answer stored is the outcome-unknown
 		// one, not the part of a response that the client got.
-		h.logger.Error("idempotency.outcome_unknown",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-			zap.Any("panic", panicked))
-		h.complete(rk, token, key, credID, r, probOutcomeUnknown.worded(h.words).response(), ls)
+		h.logger.Error("idempotency.outcome_unknown", q.fields(zap.Any("panic", panicked))...)
+		h.complete(q, probOutcomeUnknown.worded(h.words).response(), ls)
 		panic(panicked)
 	}
 	// The body has been handed on (and read to its end): let it go
@@ -80,7 +76,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		// Nothing ran: the key is released, and the answer of the handler
 		// that refused stays the result, since the client got it.
 		ls.stop()
-		if !h.release(rk, token, key, credID, r, errRefusedWithin) {
+		if !h.release(q, errRefusedWithin) {
 			repl.Set("http.idempotency.result", h.result(resultStoreError))
 		}
 		return err
@@ -90,7 +86,7 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
 			ls.stop()
 			result := resultReleased
-			if !h.release(rk, token, key, credID, r, err) {
+			if !h.release(q, err) {
 				result = resultStoreError
 			}
 			repl.Set("http.idempotency.result", h.result(result))
@@ -109,17 +105,14 @@ func (h *Handler) execute(w http.ResponseWriter, r *http.Request, repl *caddy.Re
 		if errors.As(err, &he) && he.StatusCode >= 500 {
 			p.Status = he.StatusCode
 		}
-		h.logger.Error("idempotency.outcome_unknown",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-			zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))
+		h.logger.Error("idempotency.outcome_unknown", q.fields(zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))...)
 		if !rec.wroteHeader && !h.Shadow {
 			p.write(rec, 0)
 		}
 		resp = p.response()
 	}
 
-	stored := h.complete(rk, token, key, credID, r, resp, ls)
+	stored := h.complete(q, resp, ls)
 	if h.Shadow {
 		// Shadow mode changes no response: the error goes on to the
 		// site's error handling, as it would without this handler.
@@ -252,24 +245,21 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 // completed as not replayable instead, so that a retry is refused, not
 // executed. It reports whether the record holds the response (or that
 // refusal).
-func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r *http.Request, resp *Response, ls *lease) (stored bool) {
+func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) {
 	ls.completing()
 	defer ls.stop()
 	var err error
 	degraded := false
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
 		ctx, cancel := context.WithTimeout(context.Background(), h.attemptTimeout())
-		err = h.store.Complete(ctx, rk, token, resp, time.Duration(h.Retention))
+		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
 		cancel()
 		if errors.Is(err, ErrUnstorable) && !degraded {
-			h.logger.Error("idempotency.unstorable_response",
-				zap.String("key", key), zap.String("credential_id", credID),
-				zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-				zap.Int("status", resp.Status), zap.Error(err))
+			h.logger.Error("idempotency.unstorable_response", q.fields(zap.Int("status", resp.Status), zap.Error(err))...)
 			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
 		}
-		deadline := ls.since().Add(time.Duration(h.LockTimeout))
+		deadline := ls.dated().Add(time.Duration(h.LockTimeout))
 		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
 		}
@@ -277,12 +267,9 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 	}
 	switch {
 	case errors.Is(err, ErrLockLost):
-		h.logger.Error("idempotency.lock_lost",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-			zap.String("during", "complete"))
+		h.logger.Error("idempotency.lock_lost", q.fields(zap.String("during", "complete"))...)
 	case err != nil:
-		h.storeError("complete", key, credID, r, err)
+		h.storeError(q, "complete", err)
 	}
 	return err == nil
 }
@@ -290,24 +277,18 @@ func (h *Handler) complete(rk RecordKey, token LockToken, key, credID string, r 
 // release deletes the record of a request that never executed. It
 // reports false if the store failed: the record is then still in
 // progress, until its lock goes stale.
-func (h *Handler) release(rk RecordKey, token LockToken, key, credID string, r *http.Request, cause error) bool {
+func (h *Handler) release(q *request, cause error) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
-	switch err := h.store.Release(ctx, rk, token); {
+	switch err := h.store.Release(ctx, q.rk, q.token); {
 	case errors.Is(err, ErrLockLost):
 		// Nothing was released: the record is another request's now.
-		h.logger.Warn("idempotency.lock_lost",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-			zap.String("during", "release"))
+		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "release"))...)
 		return true
 	case err != nil:
-		h.storeError("release", key, credID, r, err)
+		h.storeError(q, "release", err)
 		return false
 	}
-	h.logger.Info("idempotency.release",
-		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-		zap.NamedError("cause", cause))
+	h.logger.Info("idempotency.release", q.fields(zap.NamedError("cause", cause))...)
 	return true
 }

@@ -9,8 +9,6 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -89,13 +87,11 @@ func (h *Handler) result(r string) string {
 // failOpen executes a request whose record could not be acquired,
 // without protection: on_store_error fail_open says that this route
 // prefers a possible duplicate to a 503.
-func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler, body []byte, key, credID string) error {
-	h.logger.Warn("idempotency.fail_open",
-		zap.String("key", key), zap.String("credential_id", credID),
-		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
-	repl.Set("http.idempotency.result", resultFailOpen)
-	restoreBody(r, body, nil)
-	return next.ServeHTTP(w, r)
+func (h *Handler) failOpen(q *request, body []byte) error {
+	h.logger.Warn("idempotency.fail_open", q.fields()...)
+	q.repl.Set("http.idempotency.result", resultFailOpen)
+	restoreBody(q.r, body, nil)
+	return q.next.ServeHTTP(q.w, q.r)
 }
 
 // serveShadow is ServeHTTP in shadow mode. Every step runs as in
@@ -105,15 +101,15 @@ func (h *Handler) failOpen(w http.ResponseWriter, r *http.Request, repl *caddy.R
 // refuse a request (a replay, a conflict, a client error, a store
 // error), the request is executed anyway, unrecorded, and what would have
 // happened is logged and set as the result. It starts from what identify
-// made of the request.
-func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *caddy.Replacer, next caddyhttp.Handler,
-	key string, rk RecordKey, idProb *problem, err error) error {
+// made of the request (q's key and record key, idProb, err).
+func (h *Handler) serveShadow(q *request, idProb *problem, err error) error {
+	r, key := q.r, q.key
 	// pass executes the request without recording it; a body that was
 	// read must have been restored. It owns no record, so handlers
 	// inside this one enforce as they would alone (nesting.go).
 	pass := func(result string) error {
-		repl.Set("http.idempotency.result", shadowPrefix+result)
-		return next.ServeHTTP(w, r)
+		q.repl.Set("http.idempotency.result", shadowPrefix+result)
+		return q.next.ServeHTTP(q.w, r)
 	}
 	wouldReject := func(key string, p problem) {
 		if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
@@ -124,7 +120,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 
 	switch {
 	case err != nil:
-		h.storeError("credential_secret", key, "", r, err)
+		h.storeError(q, "credential_secret", err)
 		return pass(resultStoreError)
 	case idProb != nil:
 		wouldReject(key, *idProb)
@@ -132,7 +128,7 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 	case key == "":
 		return pass(resultNoKey)
 	}
-	credID := credentialID(rk.CredentialHash)
+	q.credID = credentialID(q.rk.CredentialHash)
 	body, held, prob := h.readBody(r)
 	defer h.bodyBudget.release(held)
 	if prob != nil {
@@ -140,28 +136,27 @@ func (h *Handler) serveShadow(w http.ResponseWriter, r *http.Request, repl *cadd
 		restoreBody(r, body, prob)
 		return pass(resultRejected)
 	}
-	fp := fingerprint(headOf(r), body)
+	q.fp = fingerprint(headOf(r), body)
 	restoreBody(r, body, nil)
 
 	h.executing.Add(1)
 	defer h.executing.Add(-1)
-	token := newLockToken()
-	sent := time.Now() // the lock is dated no earlier: see ServeHTTP
-	acq, err := h.acquire(r.Context(), h.acquireRequest(r, rk, token, fp), logHost(r))
+	q.token = newLockToken()
+	q.dated = time.Now() // see ServeHTTP
+	acq, err := h.acquire(r.Context(), h.acquireRequest(q), logHost(r))
 	if err != nil {
-		h.storeError("acquire", key, credID, r, err)
+		h.storeError(q, "acquire", err)
 		return pass(resultStoreError)
 	}
 	if acq.Outcome == OutcomeExisting {
-		d := h.decide(r, acq.Record, fp)
+		d := h.decide(q, acq.Record)
 		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
-			d.write(c, key, credID, r, zap.String("would", d.result))
+			d.write(c, q, zap.String("would", d.result))
 		}
 		return pass(d.result)
 	}
-	sent, refused := h.confirmLate(r, rk, token, key, credID, sent)
-	if refused != nil {
+	if refused := h.confirmLate(q); refused != nil {
 		return pass(refused.result)
 	}
-	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
+	return h.execute(q)
 }

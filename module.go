@@ -481,6 +481,38 @@ func (h *Handler) awaitExecutions(max time.Duration) {
 	}
 }
 
+// request is a protected request on its way through ServeHTTP's steps:
+// what the steps have learned of it, and what every log line about it
+// says (fields). Each step fills in what it learns, as reverse_proxy's
+// handleResponseContext carries an attempt.
+type request struct {
+	w    http.ResponseWriter
+	r    *http.Request
+	repl *caddy.Replacer
+	next caddyhttp.Handler
+
+	key    string    // the key, as parsed from its header (step 1)
+	rk     RecordKey // the record's key: the key under the credential (step 2)
+	credID string    // the credential, as logs name it (credentialID)
+	fp     [32]byte  // the fingerprint (step 4)
+	token  LockToken // this request's claim on its record (step 5)
+	// dated is when the lock was last dated: no later than when the
+	// store got the acquire, or the renewal, that dated it. Renewals
+	// are timed from it.
+	dated time.Time
+}
+
+// appendFields appends the fields of every line about the request to f.
+func (q *request) appendFields(f []zap.Field) []zap.Field {
+	return append(f, zap.String("key", q.key), zap.String("credential_id", q.credID),
+		zap.String("host", logHost(q.r)), zap.String("method", q.r.Method), zap.String("path", clientPath(q.r)))
+}
+
+// fields are the request's fields, then extra.
+func (q *request) fields(extra ...zap.Field) []zap.Field {
+	return append(q.appendFields(make([]zap.Field, 0, 5+len(extra))), extra...)
+}
+
 // ServeHTTP implements the request path of the contract, step by step.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	// Methods compare case-insensitively: frameworks run `post` as POST.
@@ -508,16 +540,16 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !counted {
 		defer h.countResult(repl)
 	}
+	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk}
 	if h.Shadow {
-		return h.serveShadow(w, r, repl, next, key, rk, idProb, err)
+		return h.serveShadow(&q, idProb, err)
 	}
 	switch {
 	case err != nil:
-		h.storeError("credential_secret", key, "", r, err)
+		h.storeError(&q, "credential_secret", err)
 		if h.OnStoreError == onStoreErrorFailOpen {
 			// The body is unread: it goes on as it came.
-			h.logger.Warn("idempotency.fail_open", zap.String("key", key), zap.String("credential_id", ""),
-				zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)))
+			h.logger.Warn("idempotency.fail_open", q.fields()...)
 			repl.Set("http.idempotency.result", resultFailOpen)
 			hideKeyFromTransport(r.Header)
 			return next.ServeHTTP(w, r)
@@ -529,7 +561,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		repl.Set("http.idempotency.result", resultNoKey)
 		return next.ServeHTTP(w, r)
 	}
-	credID := credentialID(rk.CredentialHash)
+	q.credID = credentialID(rk.CredentialHash)
 
 	// 3. Body, read whole (bounded) and handed on intact.
 	body, held, prob := h.readBody(r)
@@ -539,38 +571,36 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	fp := fingerprint(headOf(r), body)
+	q.fp = fingerprint(headOf(r), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
-	// the acquire reaches it, so the lock is no older than sent: its
-	// renewals are timed from sent, not from the answer, which a loaded
-	// store may give late.
+	// the acquire reaches it, so the lock is dated from the acquire's
+	// sending, not from the answer, which a loaded store may give late.
 	h.executing.Add(1)
 	defer h.executing.Add(-1)
-	token := newLockToken()
-	sent := time.Now()
-	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(r, rk, token, fp), logHost(r))
+	q.token = newLockToken()
+	q.dated = time.Now()
+	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), logHost(r))
 	if err != nil {
-		h.storeError("acquire", key, credID, r, err)
+		h.storeError(&q, "acquire", err)
 		if h.OnStoreError == onStoreErrorFailOpen {
-			return h.failOpen(w, r, repl, next, body, key, credID)
+			return h.failOpen(&q, body)
 		}
 		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	}
 
 	// 6. An existing record.
 	if acq.Outcome == OutcomeExisting {
-		return h.existing(w, r, repl, key, credID, fp, acq.Record)
+		return h.existing(&q, acq.Record)
 	}
-	sent, refused := h.confirmLate(r, rk, token, key, credID, sent)
-	if refused != nil {
+	if refused := h.confirmLate(&q); refused != nil {
 		return h.finish(w, repl, refused.result, refused.prob, refused.retryAfter)
 	}
 
 	// 7–9. Execute, then complete or release.
 	restoreBody(r, body, nil)
-	return h.execute(w, r, repl, next, rk, token, key, credID, sent)
+	return h.execute(&q)
 }
 
 // verdict is what a request that is not executed under its record gets:
@@ -583,43 +613,41 @@ type verdict struct {
 	retryAfter int
 }
 
-// confirmLate confirms the lock of an acquire sent at sent and answered
-// later than a renewal would be due: the lock may be about to go stale,
-// or a retry may already have taken it over, and nothing that runs can
-// be taken back. It returns the time the lock is dated from, or the
-// verdict on a request that must not execute under it. That fails
-// closed, whatever on_store_error says: the lock would go stale under
-// the execution.
-func (h *Handler) confirmLate(r *http.Request, rk RecordKey, token LockToken, key, credID string, sent time.Time) (time.Time, *verdict) {
-	if time.Since(sent) < h.renewInterval() {
-		return sent, nil
+// confirmLate confirms the lock of an acquire answered later than a
+// renewal would be due: the lock may be about to go stale, or a retry
+// may already have taken it over, and nothing that runs can be taken
+// back. Confirmed, the lock is dated from the confirmation (q.dated);
+// otherwise it returns the verdict on a request that must not execute
+// under it. That fails closed, whatever on_store_error says: the lock
+// would go stale under the execution.
+func (h *Handler) confirmLate(q *request) *verdict {
+	if time.Since(q.dated) < h.renewInterval() {
+		return nil
 	}
 	confirmed := time.Now()
-	switch err := h.renew(rk, token); {
+	switch err := h.renew(q.rk, q.token); {
 	case errors.Is(err, ErrLockLost):
-		h.logger.Warn("idempotency.lock_lost",
-			zap.String("key", key), zap.String("credential_id", credID),
-			zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)),
-			zap.String("during", "confirm"))
-		return sent, &verdict{resultInProgress, probInProgress, h.retrySecs}
+		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "confirm"))...)
+		return &verdict{resultInProgress, probInProgress, h.retrySecs}
 	case err != nil:
 		// Nothing ran: give the key back if the store lets us, so that
 		// the retry need not wait for the lock to go stale.
-		h.storeError("renew", key, credID, r, err)
-		h.release(rk, token, key, credID, r, err)
-		return sent, &verdict{resultStoreError, probStoreUnavailable, h.retrySecs}
+		h.storeError(q, "renew", err)
+		h.release(q, err)
+		return &verdict{resultStoreError, probStoreUnavailable, h.retrySecs}
 	}
-	return confirmed, nil
+	q.dated = confirmed
+	return nil
 }
 
-// acquireRequest describes r to the store, under this handler's timings.
-func (h *Handler) acquireRequest(r *http.Request, rk RecordKey, token LockToken, fp [32]byte) AcquireRequest {
+// acquireRequest describes q to the store, under this handler's timings.
+func (h *Handler) acquireRequest(q *request) AcquireRequest {
 	return AcquireRequest{
-		Key:         rk,
-		Token:       token,
-		Fingerprint: fp,
-		Method:      strings.ToUpper(clientRequest(r).Method),
-		Path:        clientPath(r),
+		Key:         q.rk,
+		Token:       q.token,
+		Fingerprint: q.fp,
+		Method:      strings.ToUpper(clientRequest(q.r).Method),
+		Path:        clientPath(q.r),
 		LockTimeout: time.Duration(h.LockTimeout),
 		Retention:   time.Duration(h.Retention),
 	}
@@ -637,12 +665,16 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) 
 	if err == nil && res.Outcome == OutcomeTakenOver {
 		// Logged here, where every acquire passes (a shadow one, one
 		// while waiting), rather than by each caller.
-		h.logger.Warn("idempotency.takeover",
-			zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
-			zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path),
-			zap.Duration("lock_timeout", req.LockTimeout))
+		h.logger.Warn("idempotency.takeover", acquireFields(req, host, zap.Duration("lock_timeout", req.LockTimeout))...)
 	}
 	return res, err
+}
+
+// acquireFields are the fields of a line about the acquire req, sent to
+// host: the request's as the store was told them, then extra.
+func acquireFields(req AcquireRequest, host string, extra ...zap.Field) []zap.Field {
+	return append([]zap.Field{zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
+		zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path)}, extra...)
 }
 
 // credentialID is how logs and the CLI name a credential: the first 6
@@ -652,11 +684,9 @@ func credentialID(hash [32]byte) string {
 	return hex.EncodeToString(hash[:6])
 }
 
-func (h *Handler) storeError(op, key, credID string, r *http.Request, err error) {
-	h.logger.Error("idempotency.store_error",
-		zap.String("operation", op), zap.String("key", key),
-		zap.String("credential_id", credID),
-		zap.String("host", logHost(r)), zap.String("method", r.Method), zap.String("path", clientPath(r)), zap.Error(err))
+// storeError logs the failure of the store operation op for q.
+func (h *Handler) storeError(q *request, op string, err error) {
+	h.logger.Error("idempotency.store_error", append(q.appendFields([]zap.Field{zap.String("operation", op)}), zap.Error(err))...)
 }
 
 // Results, as {http.idempotency.result} shows them.

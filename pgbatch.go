@@ -277,7 +277,7 @@ func (st statement) forRows(rows int, args []any) (string, []any) {
 // the record in progress: that record is its own. Anything else, a
 // failed statement included, c sends itself.
 func followAcquire(lead, c *batchCall[queuedAcquire, AcquireResult]) bool {
-	if lead.err != nil || c.req.sent || lead.res.Outcome != OutcomeExisting || lead.res.Record == nil {
+	if lead.err != nil || c.req.mayHaveCommitted || lead.res.Outcome != OutcomeExisting || lead.res.Record == nil {
 		return false
 	}
 	if lead.res.Record.Status != StatusCompleted && lead.req.Fingerprint != c.req.Fingerprint {

@@ -370,9 +370,9 @@ func TestFollowAcquire(t *testing.T) {
 	existing := func(status Status, fingerprint string) AcquireResult {
 		return AcquireResult{Outcome: OutcomeExisting, Record: &Record{Status: status, Fingerprint: fp(fingerprint)}}
 	}
-	call := func(fingerprint string, sent bool, res AcquireResult, err error) *batchCall[queuedAcquire, AcquireResult] {
+	call := func(fingerprint string, mayHaveCommitted bool, res AcquireResult, err error) *batchCall[queuedAcquire, AcquireResult] {
 		return &batchCall[queuedAcquire, AcquireResult]{
-			req: queuedAcquire{AcquireRequest: AcquireRequest{Fingerprint: fp(fingerprint)}, sent: sent},
+			req: queuedAcquire{AcquireRequest: AcquireRequest{Fingerprint: fp(fingerprint)}, mayHaveCommitted: mayHaveCommitted},
 			res: res, err: err,
 		}
 	}

@@ -11,11 +11,11 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// queuedAcquire is an acquire as its batcher queues it. sent: an earlier
-// attempt of the same acquire may have committed.
+// queuedAcquire is an acquire as its batcher queues it. mayHaveCommitted:
+// an earlier attempt of the same acquire may have committed.
 type queuedAcquire struct {
 	AcquireRequest
-	sent bool
+	mayHaveCommitted bool
 }
 
 // sendAcquires runs the acquire statement for a batch of requests.

@@ -31,11 +31,11 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		return AcquireResult{}, err
 	}
 	contended, start := 0, time.Now()
-	// sent: an attempt's statement may have reached the database, and
-	// committed there, before its connection was lost.
-	sent := false
+	// mayHaveCommitted: an attempt's statement may have reached the
+	// database, and committed there, before its connection was lost.
+	mayHaveCommitted := false
 	for backoff := 10 * time.Millisecond; ; backoff = min(2*backoff, 250*time.Millisecond) {
-		res, err := s.acquires.do(ctx, queuedAcquire{AcquireRequest: req, sent: sent})
+		res, err := s.acquires.do(ctx, queuedAcquire{AcquireRequest: req, mayHaveCommitted: mayHaveCommitted})
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			if contended++; contended < acquireAttempts {
@@ -60,8 +60,8 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		// (SafeToRetry): that attempt sent nothing either.
 		var connectErr *pgconn.ConnectError
 		refused := errors.As(err, &connectErr)
-		sent = sent || connectionLost(err) && !refused && !pgconn.SafeToRetry(err)
-		if !connectionLost(err) || refused && !sent || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
+		mayHaveCommitted = mayHaveCommitted || connectionLost(err) && !refused && !pgconn.SafeToRetry(err)
+		if !connectionLost(err) || refused && !mayHaveCommitted || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 		t := time.NewTimer(backoff)

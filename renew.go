@@ -72,9 +72,9 @@ func newLockKeeper(h *Handler) *lockKeeper {
 type keptLock struct {
 	lock        HeldLock
 	key, credID string
-	// lockedSince is when the lock was last dated: when the acquire, or
-	// the last renewal that succeeded, was sent.
-	lockedSince time.Time
+	// dated is when the lock was last dated: when the acquire, or the
+	// last renewal that succeeded, was sent.
+	dated time.Time
 	// inFlight counts the renewals of this lock that have had no answer
 	// yet; lastSent is when the latest of them was sent.
 	inFlight int
@@ -94,18 +94,18 @@ func (r *lockKeeper) period() time.Duration { return r.h.renewInterval() / 2 }
 // keepLock renews the lock while the request runs, so that a request
 // slower than LockTimeout is not taken over by a retry. The store dates
 // a lock when a renewal reaches it, so no earlier than when it was sent:
-// lockedSince is when the acquire, or the last renewal, was sent. A
-// renewal is due a third of the timeout after that at the latest,
-// leaving room for two slow or failed attempts.
+// the lock is dated (request.dated) from when the acquire, or the last
+// renewal, was sent. A renewal is due a third of the timeout after that
+// at the latest, leaving room for two slow or failed attempts.
 //
 // The renewals go on while the response is being stored: a completion
 // sent on a connection whose reply never comes (a database host gone
 // silent, a failover without a reset) waits for its attempt's timeout,
 // and the lease must not run out behind it while a retry could take the
 // record over and execute it a second time.
-func (h *Handler) keepLock(rk RecordKey, token LockToken, key, credID string, lockedSince time.Time) *lease {
+func (h *Handler) keepLock(q *request) *lease {
 	r := h.keeper
-	l := &keptLock{lock: HeldLock{Key: rk, Token: token}, key: key, credID: credID, lockedSince: lockedSince}
+	l := &keptLock{lock: HeldLock{Key: q.rk, Token: q.token}, key: q.key, credID: q.credID, dated: q.dated}
 	r.mu.Lock()
 	r.held[l] = struct{}{}
 	if r.timer == nil {
@@ -121,11 +121,11 @@ type lease struct {
 	l *keptLock
 }
 
-// since is when the lock was last dated.
-func (ls *lease) since() time.Time {
+// dated is when the lock was last dated.
+func (ls *lease) dated() time.Time {
 	ls.r.mu.Lock()
 	defer ls.r.mu.Unlock()
-	return ls.l.lockedSince
+	return ls.l.dated
 }
 
 // completing notes that the record is being completed: from now on, a
@@ -160,7 +160,7 @@ func (r *lockKeeper) tick() {
 	for l := range r.held {
 		switch {
 		case l.lost:
-		case l.inFlight == 0 && start.Sub(l.lockedSince) >= period,
+		case l.inFlight == 0 && start.Sub(l.dated) >= period,
 			l.inFlight > 0 && start.Sub(l.lastSent) >= interval:
 			l.inFlight++
 			l.lastSent = start
@@ -184,7 +184,7 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		locks[i] = l.lock
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
-	sent := time.Now()
+	dated := time.Now() // the locks renewed, as the store dates them
 	errs := renewLocks(ctx, r.h.store, locks)
 	cancel()
 	r.mu.Lock()
@@ -196,8 +196,8 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		case errors.Is(err, ErrLockLost) && l.completing:
 			l.lost = true
 		case err == nil:
-			if sent.After(l.lockedSince) {
-				l.lockedSince = sent
+			if dated.After(l.dated) {
+				l.dated = dated
 			}
 		case errors.Is(err, ErrLockLost):
 			// Another request has the record: renewing it again

@@ -37,11 +37,8 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest, host st
 		waits++
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.wait"); c != nil {
-		c.Write(zap.String("key", req.Key.Key),
-			zap.String("credential_id", credentialID(req.Key.CredentialHash)),
-			zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path),
-			zap.Float64("waited_seconds", time.Since(start).Seconds()),
-			zap.Int("waits", waits), zap.Bool("still_in_progress", err == nil && waitable(acq, req)))
+		c.Write(acquireFields(req, host, zap.Float64("waited_seconds", time.Since(start).Seconds()),
+			zap.Int("waits", waits), zap.Bool("still_in_progress", err == nil && waitable(acq, req)))...)
 	}
 	return acq, err
 }
