@@ -14,7 +14,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 )
 
 // version names this module's release and the Caddy it is built with,
@@ -99,12 +98,7 @@ func TestCLIInspectAndRelease(t *testing.T) {
 	s := protectedSite(t, sb, up.Addr(), "lock_timeout 1h", "replay_cache off")
 	c := call{Key: newKey(), Body: payBody(), Path: "/pay/stuck"}
 	wantExecuted(t, s.Do(t, c), http.StatusCreated)
-	// The client has its answer while the record is being completed:
-	// staged before the completion, the stuck record would be the one
-	// the completion finds gone, under the live lease of the acquire.
-	waitFor(t, 10*time.Second, "the record's completion", func() bool {
-		return pgExec(t, dsn, `SELECT FROM `+quoteIdent(sb.Table)+` WHERE key = $1 AND status = 'completed'`, c.Key) == 1
-	})
+	sb.waitCompleted(t, c.Key)
 	// Its instance died mid-request, and the lock is fresh.
 	if n := pgExec(t, dsn, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '5 minutes',

@@ -123,11 +123,7 @@ func TestStaleLockIsTakenOverByOneRetrier(t *testing.T) {
 	c := call{Key: newKey(), Body: payBody()}
 	dead := s.Do(t, c) // a real record, with the real fingerprint
 	wantExecuted(t, dead, http.StatusCreated)
-	// The client may have the response before the record is completed:
-	// rewritten before, the record kept its owner's live lease.
-	waitFor(t, 5*time.Second, "the first execution's completion", func() bool {
-		return len(pgQuery(t, sb.DSN, `SELECT 1 FROM `+quoteIdent(sb.Table)+` WHERE key = $1 AND status = 'completed'`, c.Key)) == 1
-	})
+	sb.waitCompleted(t, c.Key)
 	n := pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,

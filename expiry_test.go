@@ -281,6 +281,7 @@ func TestPruneDeletesExpiredRows(t *testing.T) {
 	}
 	late := call{Key: newKey(), Body: payBody()}
 	lateReply := s.Do(t, late)
+	sb.waitCompleted(t, late.Key)
 	// The live row lives on however slow the machine is, until the
 	// pruner has taken the others.
 	if n := pgExec(t, sb.DSN, "UPDATE "+quoteIdent(sb.Table)+" SET expires_at = now() + interval '1 hour' WHERE key = $1", late.Key); n != 1 {

@@ -233,6 +233,17 @@ type storeBackend struct {
 	Table string // postgres only
 }
 
+// waitCompleted waits for key's record to be completed. A client has
+// its answer while the record is being completed: a test that rewrites
+// the record behind the handler's back must wait, or the completion,
+// arriving after the rewrite, finds it or overwrites it.
+func (sb storeBackend) waitCompleted(t testing.TB, key string) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the completion of "+key, func() bool {
+		return len(pgQuery(t, sb.DSN, `SELECT 1 FROM `+quoteIdent(sb.Table)+` WHERE key = $1 AND status = 'completed'`, key)) == 1
+	})
+}
+
 // Block returns the store subdirective for the Caddyfile.
 func (sb storeBackend) Block() string {
 	if sb.Name == "memory" {

@@ -126,6 +126,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	// CLI's release and executes.
 	stuck := call{Key: newKey(), Body: payBody()}
 	wantExecuted(t, s.Do(t, stuck), http.StatusCreated)
+	sb.waitCompleted(t, stuck.Key)
 	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now(),
 		response_status = NULL, response_headers = NULL, response_body = NULL,

@@ -84,6 +84,7 @@ http://127.0.0.1:%d {
 	up.WaitStarted(t, 2)
 	pg.Do(t, call{Key: slow.Key, Body: slow.Body, Cred: secret, Path: "/v1/charges"}) // in progress
 	<-ch
+	sb.waitCompleted(t, slow.Key)
 	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,
