@@ -236,6 +236,58 @@ func TestHostileStalledBody(t *testing.T) {
 	})
 }
 
+// A body cut short (the client declared more than it sent, or ended a
+// chunked body without its last chunk, then half-closed its side) is not
+// a shorter request: it is refused as unreadable, nothing is executed or
+// stored, and the client's retry with the whole body executes.
+func TestHostileTruncatedBody(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr())
+		key, body := newKey(), payBody()
+		for _, framing := range []string{"Content-Length", "chunked", "empty"} {
+			conn, err := net.Dial("tcp", strings.TrimPrefix(s.URL, "http://"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			head := fmt.Sprintf("POST /pay HTTP/1.1\r\nHost: 127.0.0.1\r\nIdempotency-Key: %s\r\n"+
+				"Authorization: %s\r\nContent-Type: application/json\r\n", key, defaultCred)
+			switch framing {
+			case "chunked":
+				head += fmt.Sprintf("Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n", 10, body[:10])
+			case "empty":
+				head += fmt.Sprintf("Content-Length: %d\r\n\r\n", len(body))
+			default:
+				head += fmt.Sprintf("Content-Length: %d\r\n\r\n%s", len(body), body[:10])
+			}
+			if _, err := io.WriteString(conn, head); err != nil {
+				t.Fatal(err)
+			}
+			if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err == nil {
+				b, _ := io.ReadAll(resp.Body)
+				wantProblem(t, reply{Status: resp.StatusCode, Header: resp.Header, Body: b}, http.StatusBadRequest)
+			}
+			// No answer at all (Caddy may drop a connection whose request
+			// cannot be read) is right too: nothing may have executed.
+			conn.Close()
+			wantCount(t, up, 0)
+		}
+		if sb.Name == "postgres" {
+			if n := pgCount(t, sb); n != 0 {
+				t.Errorf("%d records after truncated bodies, want 0", n)
+			}
+		}
+		first := s.Do(t, call{Key: key, Body: body})
+		wantExecuted(t, first, http.StatusCreated)
+		wantReplayOf(t, s.Do(t, call{Key: key, Body: body}), first)
+	})
+}
+
 // Header values of 64 KiB (past Caddy's default 16 KiB limit, which
 // refuses them before any handler runs, so raised here): a key that long
 // is refused before anything happens; a credential that long is one like

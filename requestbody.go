@@ -128,7 +128,7 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 	held = size
 	lr := io.LimitedReader{R: r.Body, N: limit}
 	first := make([]byte, size)
-	n, err := io.ReadFull(&lr, first)
+	n, err := fill(&lr, first)
 	body = first[:n]
 	var chunks []*[initialBodyBuffer]byte
 	last := 0 // bytes in the last chunk
@@ -140,7 +140,7 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 		held += initialBodyBuffer
 		c := bodyChunks.Get().(*[initialBodyBuffer]byte)
 		chunks = append(chunks, c)
-		last, err = io.ReadFull(&lr, c[:])
+		last, err = fill(&lr, c[:])
 	}
 	if len(chunks) > 0 {
 		whole := make([]byte, len(body)+(len(chunks)-1)*initialBodyBuffer+last)
@@ -159,7 +159,11 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 	if prob != nil {
 		return body, held, prob
 	}
-	if err != io.EOF && err != io.ErrUnexpectedEOF {
+	if err != io.EOF {
+		// io.ErrUnexpectedEOF is the body's own: the client ended it
+		// before its Content-Length or its last chunk. It is not a
+		// shorter request.
+		//
 		// A request_body limit around this handler (or any
 		// http.MaxBytesReader) is a body too large too.
 		var mbe *http.MaxBytesError
@@ -177,6 +181,22 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 		return body, held, tooLarge(h.MaxRequestBody)
 	}
 	return body, held, nil
+}
+
+// fill reads into buf until it is full (nil), the body ends (io.EOF) or
+// the body fails. Unlike io.ReadFull, which reports a body that ends
+// before buf is full as io.ErrUnexpectedEOF, it keeps that error for a
+// body that was cut short.
+func fill(r io.Reader, buf []byte) (int, error) {
+	n := 0
+	for n < len(buf) {
+		m, err := r.Read(buf[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 func (h *Handler) provisionBodyBudget() {
