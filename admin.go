@@ -66,21 +66,24 @@ var runningStores struct {
 	users map[*Handler]storeUser
 }
 
+// servedStore is a store that the admin API serves: it can look into it
+// and release its records (inspector), and name it to an operator.
+type servedStore interface {
+	inspector
+	// adminName is the store as the admin API lists it: name (before
+	// disambiguation), backend, and for a table its name and database.
+	adminName() (name, backend, table, database string)
+}
+
 // registerStore makes h's store reachable through the admin API until
 // h's config is unloaded (Cleanup).
-func (h *Handler) registerStore(store any) {
-	u := storeUser{h: h, group: h.records}
-	u.cache, _ = h.store.(*replayCache)
-	switch s := store.(type) {
-	case *MemoryStore:
-		u.store, u.name, u.backend = s, "memory", "memory"
-	case *PostgresStore:
-		u.store, u.backend, u.table = s, "postgres", s.table.String()
-		u.name = "postgres:" + u.table
-		u.database = describeDSN(s.poolKey.dsn)
-	default:
+func (h *Handler) registerStore() {
+	s, ok := storeAs[servedStore](h.store)
+	if !ok {
 		return
 	}
+	u := storeUser{h: h, store: s, cache: h.cache, group: h.records}
+	u.name, u.backend, u.table, u.database = s.adminName()
 	runningStores.Lock()
 	if runningStores.users == nil {
 		runningStores.users = make(map[*Handler]storeUser)

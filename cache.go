@@ -186,8 +186,8 @@ func (c *replayCache) Release(ctx context.Context, key RecordKey, token LockToke
 	return err
 }
 
-// Renew implements Store.
-// RenewLocks implements LockRenewer.
+// RenewLocks implements LockRenewer: the locks lost are forgotten, as by
+// Renew.
 func (c *replayCache) RenewLocks(ctx context.Context, locks []HeldLock) []error {
 	errs := renewLocks(ctx, c.Store, locks)
 	for i, err := range errs {
@@ -198,6 +198,8 @@ func (c *replayCache) RenewLocks(ctx context.Context, locks []HeldLock) []error 
 	return errs
 }
 
+// Renew implements Store: a lock lost is forgotten, since no completion
+// under it will come.
 func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken) error {
 	err := c.Store.Renew(ctx, key, token)
 	if errors.Is(err, ErrLockLost) {
@@ -351,5 +353,11 @@ func copyCachedResponse(resp *Response) *Response {
 	return &c
 }
 
+// Unwrap returns the store that c caches (storeAs).
+func (c *replayCache) Unwrap() Store { return c.Store }
+
 // Interface guards
-var _ Store = (*replayCache)(nil)
+var (
+	_ Store       = (*replayCache)(nil)
+	_ LockRenewer = (*replayCache)(nil)
+)

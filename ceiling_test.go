@@ -124,7 +124,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 	run := env("RUN", "ceiling0")
 	// The credential is hashed as Caddy hashes it, under the store's
 	// secret, so that the lookups find the records Caddy completed.
-	secret, serr := s.credentialSecret(context.Background())
+	secret, serr := s.CredentialSecret(context.Background())
 	if serr != nil {
 		t.Fatalf("the store's credential secret: %v", serr)
 	}

@@ -37,12 +37,6 @@ func (t tableName) secretTable() string {
 	return t.sibling(derivedName(t.name, secretTableSuffix))
 }
 
-// secretSource is a store that keeps a default credential secret, which
-// every handler sharing its records agrees on without configuration.
-type secretSource interface {
-	credentialSecret(ctx context.Context) ([]byte, error)
-}
-
 // memorySecret is the memory store's secret: its records live in this
 // process only, so a random secret of the process is shared by all of
 // them, across config reloads.
@@ -52,13 +46,22 @@ var memorySecret = sync.OnceValue(func() []byte {
 	return secret
 })
 
-func (m *MemoryStore) credentialSecret(context.Context) ([]byte, error) {
+// UseCredentialSecret implements SecretKeeper: the secret is the
+// process's, at hand.
+func (m *MemoryStore) UseCredentialSecret() {}
+
+// CredentialSecret implements SecretKeeper.
+func (m *MemoryStore) CredentialSecret(context.Context) ([]byte, error) {
 	return memorySecret(), nil
 }
 
-// credentialSecret returns the table's secret, as the store read it when
-// it started.
-func (s *PostgresStore) credentialSecret(ctx context.Context) ([]byte, error) {
+// UseCredentialSecret implements SecretKeeper: the store reads the
+// table's secret as it starts (startup.go).
+func (s *PostgresStore) UseCredentialSecret() { s.tableSecret = true }
+
+// CredentialSecret implements SecretKeeper: the table's secret, as the
+// store read it when it started.
+func (s *PostgresStore) CredentialSecret(ctx context.Context) ([]byte, error) {
 	if err := s.ready(ctx); err != nil {
 		return nil, err
 	}
@@ -244,7 +247,7 @@ func (k *credentialKey) get(ctx context.Context) (*credentialHasher, error) {
 // first request gets from the store. A Postgres store reads it as it
 // starts: never at provision, which must not write to the database (the
 // secret is created there if no instance has yet).
-func (h *Handler) provisionCredentials(store any) error {
+func (h *Handler) provisionCredentials() error {
 	h.credKey = new(credentialKey)
 	if h.CredentialSecret != "" {
 		// Resolved here, never written back: the config keeps the
@@ -256,14 +259,12 @@ func (h *Handler) provisionCredentials(store any) error {
 		h.credKey.hasher.Store(newCredentialHasher(secret))
 		return nil
 	}
-	src, ok := store.(secretSource)
+	src, ok := storeAs[SecretKeeper](h.store)
 	if !ok {
-		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", store)
+		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", innermost(h.store))
 	}
-	h.credKey.load = src.credentialSecret
-	if ps, ok := store.(*PostgresStore); ok {
-		ps.tableSecret = true
-	}
+	src.UseCredentialSecret()
+	h.credKey.load = src.CredentialSecret
 	return nil
 }
 

@@ -230,7 +230,7 @@ func TestCredentialSecretSharedByInstances(t *testing.T) {
 	for i, st := range stores {
 		wg.Go(func() {
 			var err error
-			if secrets[i], err = st.credentialSecret(context.Background()); err != nil {
+			if secrets[i], err = st.CredentialSecret(context.Background()); err != nil {
 				t.Error(err)
 			}
 		})
@@ -557,12 +557,16 @@ func TestCredentialHashDoesNotAllocate(t *testing.T) {
 }
 
 // The stores that tests define around the memory store share its secret.
-func (s *benchMemoryStore) credentialSecret(ctx context.Context) ([]byte, error) {
-	return s.Store.(*MemoryStore).credentialSecret(ctx)
+func (s *benchMemoryStore) UseCredentialSecret() {}
+
+func (s *benchMemoryStore) CredentialSecret(ctx context.Context) ([]byte, error) {
+	return s.Store.(*MemoryStore).CredentialSecret(ctx)
 }
 
-func (s *cacheTestStore) credentialSecret(ctx context.Context) ([]byte, error) {
-	return s.Store.(*MemoryStore).credentialSecret(ctx)
+func (s *cacheTestStore) UseCredentialSecret() {}
+
+func (s *cacheTestStore) CredentialSecret(ctx context.Context) ([]byte, error) {
+	return s.Store.(*MemoryStore).CredentialSecret(ctx)
 }
 
 // No raw token ever reaches the database or a log line.

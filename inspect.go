@@ -159,6 +159,14 @@ func parseCredentialID(id string) ([]byte, error) {
 	return prefix, nil
 }
 
+func (m *MemoryStore) adminName() (name, backend, table, database string) {
+	return "memory", "memory", "", ""
+}
+
+func (s *PostgresStore) adminName() (name, backend, table, database string) {
+	return "postgres:" + s.table.String(), "postgres", s.table.String(), describeDSN(s.poolKey.dsn)
+}
+
 func (m *MemoryStore) inspectRecords(ctx context.Context, f recordFilter) ([]inspectedRecord, error) {
 	s := m.records
 	var packed []packedResponse

@@ -266,7 +266,7 @@ func TestPoolOutlivesUnloadedRequests(t *testing.T) {
 	}
 	var busy atomic.Bool
 	busy.Store(true)
-	s.keepPoolWhile(busy.Load, time.Minute)
+	s.DrainWhile(busy.Load, time.Minute)
 
 	req := testAcquireRequest("cred", "drain-"+randomHex(4), `{}`)
 	mustAcquirePG(t, s, req, OutcomeCreated)

@@ -446,10 +446,19 @@ func (p packedResponse) unpack() *Response {
 	return r
 }
 
+// Records implements RecordSet: one set per process (memoryPool).
+func (m *MemoryStore) Records() string { return memoryPoolKey }
+
+// InProcess implements InProcess.
+func (m *MemoryStore) InProcess() {}
+
 // Interface guards
 var (
 	_ Store                 = (*MemoryStore)(nil)
 	_ Waiter                = (*MemoryStore)(nil)
+	_ SecretKeeper          = (*MemoryStore)(nil)
+	_ RecordSet             = (*MemoryStore)(nil)
+	_ InProcess             = (*MemoryStore)(nil)
 	_ caddy.Provisioner     = (*MemoryStore)(nil)
 	_ caddy.CleanerUpper    = (*MemoryStore)(nil)
 	_ caddyfile.Unmarshaler = (*MemoryStore)(nil)

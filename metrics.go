@@ -182,8 +182,8 @@ func serverName(ctx caddy.Context) string {
 }
 
 // provisionMetrics registers the collectors in the config's registry,
-// which the admin endpoint's /metrics and the metrics handler serve, and
-// instruments the store.
+// which the admin endpoint's /metrics and the metrics handler serve
+// (wrapStore instruments the store).
 func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
 	for _, c := range []prometheus.Collector{requestsTotal, storeDuration, storeErrors, lockTakeovers, lockLost, notReplayable, prunedRecords, bodyBudgetRefusals, bufferedBodies, replayAge, buildInfo} {
@@ -193,7 +193,6 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 		}
 	}
 	server := serverName(ctx)
-	h.store = instrumentedStore{h.store, newStoreMetrics(server)}
 	h.metrics = handlerMetrics{
 		server:        server,
 		results:       resultCounters(server),
@@ -288,8 +287,14 @@ func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, err
 	return n, err
 }
 
+// Unwrap returns the store that s measures (storeAs).
+func (s instrumentedStore) Unwrap() Store { return s.Store }
+
 // Interface guards
-var _ Store = instrumentedStore{}
+var (
+	_ Store       = instrumentedStore{}
+	_ LockRenewer = instrumentedStore{}
+)
 
 // RenewLocks implements LockRenewer: one round trip, so one duration;
 // lost locks and errors are counted per lock, as single renewals count

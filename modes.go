@@ -34,9 +34,8 @@ const (
 )
 
 // provisionModes sets the modes' defaults and prepares the store for
-// `wait`. store is the store module itself, not a wrapper of it, since
-// wrappers hide the optional Waiter interface.
-func (h *Handler) provisionModes(store any) error {
+// `wait`.
+func (h *Handler) provisionModes() error {
 	if h.MismatchStatus == 0 {
 		h.MismatchStatus = http.StatusConflict
 	}
@@ -46,9 +45,9 @@ func (h *Handler) provisionModes(store any) error {
 	if h.Wait <= 0 || h.Shadow {
 		return nil
 	}
-	w, ok := store.(Waiter)
+	w, ok := storeAs[Waiter](h.store)
 	if !ok {
-		return fmt.Errorf("wait: the store %T cannot wake waiting requests", store)
+		return fmt.Errorf("wait: the store %T cannot wake waiting requests", innermost(h.store))
 	}
 	w.EnableWaiting()
 	h.waiter = w

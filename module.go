@@ -185,7 +185,10 @@ type Handler struct {
 	// harmless and availability matters more.
 	OnStoreError string `json:"on_store_error,omitempty"`
 
+	// store is the chain of stores the handler calls (wrapStore), and
+	// cache the replay cache in it, or nil.
 	store     Store
+	cache     *replayCache
 	records   string // the name of the records the store holds (recordsOf)
 	waiter    Waiter
 	methods   map[string]struct{}
@@ -283,20 +286,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
-	h.store = mod.(Store)
-	h.records = recordsOf(mod)
-	if err := h.provisionCredentials(mod); err != nil {
-		return fmt.Errorf("idempotency: %w", err)
-	}
-	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
-	h.challenge = authChallenge(h.credHeader)
-	h.executing = new(atomic.Int64)
-	h.keeper = newLockKeeper(h)
-	if ps, ok := mod.(*PostgresStore); ok {
-		ps.keepPoolWhile(func() bool { return h.executing.Load() > 0 },
-			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))
-	}
-	// Measured under the replay cache: its hits are not store round trips.
 	if err := h.provisionMetrics(ctx); err != nil {
 		return err
 	}
@@ -304,18 +293,23 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		size := int64(defaultReplayCache)
 		h.ReplayCache = &size
 	}
-	if *h.ReplayCache > 0 {
-		// Even in front of the memory store: a hit skips the store's
-		// lock and its defensive copy of the response.
-		rc := newReplayCache(h.store, *h.ReplayCache)
-		_, inMemory := mod.(*MemoryStore)
-		rc.learnOnComplete = !inMemory
-		h.store = rc
+	h.store, h.cache = wrapStore(mod.(Store), newStoreMetrics(h.metrics.server), *h.ReplayCache)
+	h.records = recordsOf(h.store)
+	if err := h.provisionCredentials(); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
 	}
-	if err := h.provisionModes(mod); err != nil {
+	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
+	h.challenge = authChallenge(h.credHeader)
+	h.executing = new(atomic.Int64)
+	h.keeper = newLockKeeper(h)
+	if d, ok := storeAs[Drainer](h.store); ok {
+		d.DrainWhile(func() bool { return h.executing.Load() > 0 },
+			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))
+	}
+	if err := h.provisionModes(); err != nil {
 		return err
 	}
-	h.registerStore(mod)
+	h.registerStore()
 
 	if *h.PruneInterval > 0 {
 		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))
@@ -324,6 +318,26 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger.Info("idempotency.provisioned", zap.String("version", Version),
 		zap.String("server", h.metrics.server), zap.String("store", mod.(caddy.Module).CaddyModule().ID.Name()))
 	return nil
+}
+
+// wrapStore builds the chain of stores that a handler calls, around the
+// store module raw: the metrics time each call that reaches raw, and the
+// replay cache, outermost, answers replays without one (its hits are no
+// round trips of the store). A cacheSize of 0 leaves the cache out; the
+// cache is returned too, nil then, for the admin API, whose releases
+// evict what it holds. raw's capabilities stay reachable through the
+// chain (storeAs).
+func wrapStore(raw Store, m *storeMetrics, cacheSize int64) (Store, *replayCache) {
+	var s Store = instrumentedStore{raw, m}
+	if cacheSize <= 0 {
+		return s, nil
+	}
+	// Even in front of the memory store: a hit skips the store's lock
+	// and its defensive copy of the response.
+	rc := newReplayCache(s, cacheSize)
+	_, inProcess := storeAs[InProcess](raw)
+	rc.learnOnComplete = !inProcess
+	return rc, rc
 }
 
 // Validate rejects settings that cannot work.

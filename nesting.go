@@ -22,16 +22,13 @@ import (
 // recordsOf names the records that a store module holds: handlers whose
 // stores have the same name read and write the same records. The admin
 // API groups handlers by it too.
-func recordsOf(store any) string {
-	switch s := store.(type) {
-	case *MemoryStore:
-		return memoryPoolKey
-	case *PostgresStore:
-		return s.poolKey.dsn + "\x00" + s.table.String()
+func recordsOf(store Store) string {
+	if rs, ok := storeAs[RecordSet](store); ok {
+		return rs.Records()
 	}
-	// A store of another module: its own records, as far as this
-	// package can tell.
-	return fmt.Sprintf("%T %p", store, store)
+	// Its own records, as far as this package can tell.
+	s := innermost(store)
+	return fmt.Sprintf("%T %p", s, s)
 }
 
 // ownedCtxKey is the context key of the records that the handlers on a

@@ -65,7 +65,7 @@ type PostgresStore struct {
 	// the start then reads.
 	start       *startup
 	tableSecret bool
-	// busy and drainMax are set by the handler (keepPoolWhile).
+	// busy and drainMax are set by the handler (DrainWhile).
 	busy     func() bool
 	drainMax time.Duration
 	// The batchers of the request path's statements (pgbatch.go).
@@ -289,11 +289,15 @@ func (s *PostgresStore) Cleanup() error {
 	return nil
 }
 
-// keepPoolWhile makes Cleanup keep the pool while busy reports that a
-// request of the handler owns a record, for at most drainMax.
-func (s *PostgresStore) keepPoolWhile(busy func() bool, drainMax time.Duration) {
+// DrainWhile implements Drainer: Cleanup keeps the pool while busy
+// reports that a request of the handler owns a record, for at most
+// drainMax.
+func (s *PostgresStore) DrainWhile(busy func() bool, drainMax time.Duration) {
 	s.busy, s.drainMax = busy, drainMax
 }
+
+// Records implements RecordSet: a table of one database.
+func (s *PostgresStore) Records() string { return s.poolKey.dsn + "\x00" + s.table.String() }
 
 // Interface guards
 var (
@@ -303,5 +307,9 @@ var (
 	_ caddy.CleanerUpper    = (*PostgresStore)(nil)
 	_ caddyfile.Unmarshaler = (*PostgresStore)(nil)
 	_ Store                 = (*PostgresStore)(nil)
+	_ LockRenewer           = (*PostgresStore)(nil)
+	_ SecretKeeper          = (*PostgresStore)(nil)
+	_ Drainer               = (*PostgresStore)(nil)
+	_ RecordSet             = (*PostgresStore)(nil)
 	_ caddy.Destructor      = sharedPool{}
 )

@@ -84,6 +84,75 @@ type Waiter interface {
 	WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{}
 }
 
+// SecretKeeper is implemented by stores that keep a default credential
+// secret, which every handler sharing their records agrees on without
+// configuration: in front of one, credential_secret may be left out.
+type SecretKeeper interface {
+	// UseCredentialSecret is called at provision by each handler that
+	// hashes credentials under the store's secret: a store that reads
+	// the secret as it starts (Postgres) reads it from then on.
+	UseCredentialSecret()
+	// CredentialSecret returns the secret, for the first request that
+	// needs it.
+	CredentialSecret(ctx context.Context) ([]byte, error)
+}
+
+// Drainer is implemented by stores that hold what their handlers'
+// requests need past the unloading of the config that loaded them
+// (Postgres: its connection pool, which a reload would otherwise close
+// under the requests still completing their records).
+type Drainer interface {
+	// DrainWhile is called at provision: from then on Cleanup keeps what
+	// the requests need while busy reports that one of them owns a
+	// record, for at most max.
+	DrainWhile(busy func() bool, max time.Duration)
+}
+
+// RecordSet is implemented by stores that can tell which records they
+// hold: handlers whose stores name the same set read and write the same
+// records, so a handler nested in another must not acquire the record
+// the outer one owns, and the admin API groups handlers by it. The
+// records of a store without it are its own.
+type RecordSet interface {
+	Records() string
+}
+
+// InProcess is implemented by stores that keep their records in this
+// process's memory: the replay cache in front of one does not copy the
+// responses that its handler completes, which the store holds already.
+type InProcess interface {
+	InProcess()
+}
+
+// storeAs returns the capability T of s: s's own, or that of the store
+// it wraps (a wrapper's Unwrap), and so on down the chain. A wrapper that
+// adds to a capability (the metrics and the cache time and watch
+// renewals, LockRenewer) implements it itself, and is found first.
+func storeAs[T any](s Store) (T, bool) {
+	for {
+		if t, ok := s.(T); ok {
+			return t, true
+		}
+		w, ok := s.(interface{ Unwrap() Store })
+		if !ok {
+			var zero T
+			return zero, false
+		}
+		s = w.Unwrap()
+	}
+}
+
+// innermost is the store at the bottom of s's chain: the store module.
+func innermost(s Store) Store {
+	for {
+		w, ok := s.(interface{ Unwrap() Store })
+		if !ok {
+			return s
+		}
+		s = w.Unwrap()
+	}
+}
+
 // ErrLockLost means the record is no longer owned by the caller's token:
 // its lock went stale and another request took it over, or it was
 // released by an operator.

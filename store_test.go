@@ -38,13 +38,11 @@ func eachStoreChain(t *testing.T, fn func(t *testing.T, s Store)) {
 	}
 }
 
-// wrapLikeHandler wraps s as Provision does with the default replay
-// cache: metrics under the cache, whose hits are not store round trips.
+// wrapLikeHandler wraps s as Provision does (wrapStore), with the
+// default replay cache.
 func wrapLikeHandler(s Store) Store {
-	rc := newReplayCache(instrumentedStore{s, newStoreMetrics("conformance")}, defaultReplayCache)
-	_, inMemory := s.(*MemoryStore)
-	rc.learnOnComplete = !inMemory
-	return rc
+	wrapped, _ := wrapStore(s, newStoreMetrics("conformance"), defaultReplayCache)
+	return wrapped
 }
 
 // The calls of store.go's contract, one after another, as a first
@@ -400,4 +398,49 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 			}
 		}
 	})
+}
+
+// A handler finds a store's capabilities through its wrappers, and the
+// wrappers' own where they add to one: a wrapper that hid one would turn
+// wait, the default credential secret, the pool's drain or the admin API
+// off for its store.
+func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
+	mem := &MemoryStore{records: newMemoryRecords(100, time.Now)}
+	chain, cache := wrapStore(mem, newStoreMetrics("conformance"), defaultReplayCache)
+	if cache == nil || chain != Store(cache) {
+		t.Fatalf("wrapStore returned %T and cache %v; want the cache outermost", chain, cache)
+	}
+	if w, ok := storeAs[Waiter](chain); !ok || w != Waiter(mem) {
+		t.Errorf("Waiter through the chain: %T, %v; want the memory store", w, ok)
+	}
+	if _, ok := storeAs[SecretKeeper](chain); !ok {
+		t.Error("SecretKeeper not found through the chain")
+	}
+	if _, ok := storeAs[servedStore](chain); !ok {
+		t.Error("the admin API's capability not found through the chain")
+	}
+	if got := recordsOf(chain); got != memoryPoolKey {
+		t.Errorf("records of the chain: %q, want the memory store's", got)
+	}
+	if r, ok := storeAs[LockRenewer](chain); !ok || r != LockRenewer(cache) {
+		t.Errorf("LockRenewer: %T, %v; want the cache's own, which forgets lost locks", r, ok)
+	}
+	if cache.learnOnComplete {
+		t.Error("a cache in front of the memory store copies the responses it completes")
+	}
+	if innermost(chain) != Store(mem) {
+		t.Errorf("innermost: %T, want the memory store", innermost(chain))
+	}
+
+	pg := newTestPostgresStore(t, freshTable(t), 4)
+	chain, cache = wrapStore(pg, newStoreMetrics("conformance"), 0)
+	if cache != nil {
+		t.Fatal("a cache of size 0 was built")
+	}
+	if d, ok := storeAs[Drainer](chain); !ok || d != Drainer(pg) {
+		t.Errorf("Drainer through the chain: %T, %v; want the Postgres store", d, ok)
+	}
+	if got, want := recordsOf(chain), pg.Records(); got != want {
+		t.Errorf("records of the chain: %q, want %q", got, want)
+	}
 }
