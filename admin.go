@@ -326,64 +326,6 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 	return store, f, nil
 }
 
-// adminRecord is a record as the admin API shows it: never a raw
-// credential, and the stored response only when asked (body=1).
-type adminRecord struct {
-	CredentialHash string         `json:"credential_hash"`
-	CredentialID   string         `json:"credential_id"`
-	Key            string         `json:"key"`
-	Status         Status         `json:"status"`
-	Expired        bool           `json:"expired"`
-	Method         string         `json:"method"`
-	Path           string         `json:"path"`
-	Created        time.Time      `json:"created"`
-	Expires        time.Time      `json:"expires"`
-	Locked         *time.Time     `json:"locked,omitempty"`
-	LockedUntil    *time.Time     `json:"locked_until,omitempty"`
-	LeaseEnded     bool           `json:"lease_ended,omitempty"`
-	ResponseStatus *int           `json:"response_status,omitempty"`
-	Replayable     *bool          `json:"replayable,omitempty"`
-	BodySize       *int64         `json:"response_body_size,omitempty"`
-	StoredBody     *int           `json:"stored_body_bytes,omitempty"`
-	StoredHeaders  *int           `json:"stored_headers_bytes,omitempty"`
-	Response       *adminResponse `json:"response,omitempty"`
-}
-
-// adminResponse is a stored response, shown with body=1.
-type adminResponse struct {
-	Header http.Header `json:"headers"`
-	// Body is base64, as JSON gives bytes: a body need not be text.
-	Body []byte `json:"body_base64"`
-}
-
-func newAdminRecord(ir inspectedRecord, withResponse bool) adminRecord {
-	rec := adminRecord{
-		CredentialHash: fmt.Sprintf("%x", ir.key.CredentialHash),
-		CredentialID:   credentialID(ir.key.CredentialHash),
-		Key:            ir.key.Key,
-		Status:         ir.rec.Status,
-		Expired:        ir.expired,
-		LeaseEnded:     ir.leaseEnded,
-		Method:         ir.rec.Method,
-		Path:           ir.rec.Path,
-		Created:        ir.rec.CreatedAt.UTC(),
-		Expires:        ir.rec.ExpiresAt.UTC(),
-		StoredBody:     ir.storedBody,
-		StoredHeaders:  ir.storedHeaders,
-	}
-	if ir.rec.Status == StatusInProgress {
-		locked, until := ir.rec.LockedAt.UTC(), ir.rec.LockedUntil.UTC()
-		rec.Locked, rec.LockedUntil = &locked, &until
-	}
-	if resp := ir.rec.Response; resp != nil {
-		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize
-		if withResponse {
-			rec.Response = &adminResponse{resp.Header, resp.Body}
-		}
-	}
-	return rec
-}
-
 func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel adminSelector) error {
 	store, f, err := sel.resolve(ctx)
 	if err != nil {
@@ -396,15 +338,15 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 	}
 	f.limit--
 	out := struct {
-		Store     string        `json:"store"`
-		Records   []adminRecord `json:"records"`
-		Truncated bool          `json:"truncated,omitempty"`
-	}{Store: store.Name, Records: []adminRecord{}}
+		Store     string       `json:"store"`
+		Records   []recordJSON `json:"records"`
+		Truncated bool         `json:"truncated,omitempty"`
+	}{Store: store.Name, Records: []recordJSON{}}
 	if len(recs) > f.limit {
 		recs, out.Truncated = recs[:f.limit], true
 	}
 	for _, ir := range recs {
-		out.Records = append(out.Records, newAdminRecord(ir, f.withResponse))
+		out.Records = append(out.Records, newRecordJSON(ir, f.withResponse))
 	}
 	return writeAdminJSON(w, out)
 }
@@ -448,9 +390,9 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 		}
 	}
 	return writeAdminJSON(w, struct {
-		Store    string      `json:"store"`
-		Released adminRecord `json:"released"`
-	}{store.Name, newAdminRecord(rec, false)})
+		Store    string     `json:"store"`
+		Released recordJSON `json:"released"`
+	}{store.Name, newRecordJSON(rec, false)})
 }
 
 // evict drops the cached copy of key's record, if there is one.

@@ -54,9 +54,9 @@ func (a adminClient) do(method, path string, body any) (int, []byte) {
 }
 
 type adminRecords struct {
-	Store     string        `json:"store"`
-	Records   []adminRecord `json:"records"`
-	Truncated bool          `json:"truncated"`
+	Store     string       `json:"store"`
+	Records   []recordJSON `json:"records"`
+	Truncated bool         `json:"truncated"`
 }
 
 // records lists records, by GET with query parameters or, with a body,

@@ -198,9 +198,9 @@ record of the key whose credential hash starts with it is shown.`,
 			}
 			if fl.Bool("json") {
 				// The admin API's records: the same fields.
-				js := make([]adminRecord, len(recs))
+				js := make([]recordJSON, len(recs))
 				for i, ir := range recs {
-					js[i] = newAdminRecord(ir, false)
+					js[i] = newRecordJSON(ir, false)
 				}
 				enc := json.NewEncoder(out)
 				enc.SetIndent("", "  ")

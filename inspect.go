@@ -11,6 +11,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"time"
@@ -366,3 +367,63 @@ var (
 	_ inspector = (*MemoryStore)(nil)
 	_ inspector = (*PostgresStore)(nil)
 )
+
+// recordJSON is a record as the admin API and the CLI's --json show it:
+// never a raw credential, and the stored response only when asked
+// (body=1).
+type recordJSON struct {
+	CredentialHash string        `json:"credential_hash"`
+	CredentialID   string        `json:"credential_id"`
+	Key            string        `json:"key"`
+	Status         Status        `json:"status"`
+	Expired        bool          `json:"expired"`
+	Method         string        `json:"method"`
+	Path           string        `json:"path"`
+	Created        time.Time     `json:"created"`
+	Expires        time.Time     `json:"expires"`
+	Locked         *time.Time    `json:"locked,omitempty"`
+	LockedUntil    *time.Time    `json:"locked_until,omitempty"`
+	LeaseEnded     bool          `json:"lease_ended,omitempty"`
+	ResponseStatus *int          `json:"response_status,omitempty"`
+	Replayable     *bool         `json:"replayable,omitempty"`
+	BodySize       *int64        `json:"response_body_size,omitempty"`
+	StoredBody     *int          `json:"stored_body_bytes,omitempty"`
+	StoredHeaders  *int          `json:"stored_headers_bytes,omitempty"`
+	Response       *responseJSON `json:"response,omitempty"`
+}
+
+// responseJSON is a stored response, which the admin API shows with
+// body=1.
+type responseJSON struct {
+	Header http.Header `json:"headers"`
+	// Body is base64, as JSON gives bytes: a body need not be text.
+	Body []byte `json:"body_base64"`
+}
+
+func newRecordJSON(ir inspectedRecord, withResponse bool) recordJSON {
+	rec := recordJSON{
+		CredentialHash: fmt.Sprintf("%x", ir.key.CredentialHash),
+		CredentialID:   credentialID(ir.key.CredentialHash),
+		Key:            ir.key.Key,
+		Status:         ir.rec.Status,
+		Expired:        ir.expired,
+		LeaseEnded:     ir.leaseEnded,
+		Method:         ir.rec.Method,
+		Path:           ir.rec.Path,
+		Created:        ir.rec.CreatedAt.UTC(),
+		Expires:        ir.rec.ExpiresAt.UTC(),
+		StoredBody:     ir.storedBody,
+		StoredHeaders:  ir.storedHeaders,
+	}
+	if ir.rec.Status == StatusInProgress {
+		locked, until := ir.rec.LockedAt.UTC(), ir.rec.LockedUntil.UTC()
+		rec.Locked, rec.LockedUntil = &locked, &until
+	}
+	if resp := ir.rec.Response; resp != nil {
+		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize
+		if withResponse {
+			rec.Response = &responseJSON{resp.Header, resp.Body}
+		}
+	}
+	return rec
+}
