@@ -63,6 +63,8 @@ type failoverKey struct {
 	// attempts run until the first 2xx; again are those of the key sent
 	// once more after the failover, until a 2xx.
 	attempts, again []failoverAttempt
+	// retries are those of a second client of a slow key (load).
+	retries []failoverAttempt
 	// answeredBy is the instance that gave the last 2xx.
 	answeredBy int
 }
@@ -82,12 +84,15 @@ type failoverRun struct {
 	table map[string]string
 	// lag is how far behind the asynchronous standby was held.
 	lag time.Duration
+	// lock is the instances' lock_timeout; gap is how long there is no
+	// primary.
+	lock, gap time.Duration
 }
 
 func TestFailover(t *testing.T) {
 	synchronous := os.Getenv("IDEMPOTENCY_FAILOVER_ASYNC") != "1"
-	r := startFailover(t, synchronous)
-	r.load(t, 16)
+	r := startFailover(t, synchronous, failoverLock, failoverGap)
+	r.load(t, 16, nil)
 	r.checkWaitAfterFailover(t)
 	r.report(t, synchronous)
 }
@@ -96,7 +101,7 @@ func TestFailover(t *testing.T) {
 // processes. Each serves two sites: one for the load, and one with
 // `wait` on a table of its own, whose waiters the LISTEN connection must
 // wake on the promoted server.
-func startFailover(t *testing.T, synchronous bool) *failoverRun {
+func startFailover(t *testing.T, synchronous bool, lock, gap time.Duration) *failoverRun {
 	t.Helper()
 	var lag time.Duration
 	if s := os.Getenv("IDEMPOTENCY_FAILOVER_LAG"); s != "" && !synchronous {
@@ -105,7 +110,7 @@ func startFailover(t *testing.T, synchronous bool) *failoverRun {
 			t.Fatalf("IDEMPOTENCY_FAILOVER_LAG=%q: %v", s, err)
 		}
 	}
-	r := &failoverRun{pair: startPGPair(t, synchronous, lag), up: newUpstream(t), lag: lag}
+	r := &failoverRun{pair: startPGPair(t, synchronous, lag), up: newUpstream(t), lag: lag, lock: lock, gap: gap}
 	for i := range r.procs {
 		port, waitPort := freeTCPPort(t), freeTCPPort(t)
 		r.procs[i] = startCaddyProc(t, fmt.Sprintf("instance-%c", 'a'+i), fmt.Sprintf(`http://127.0.0.1:%[1]d {
@@ -132,7 +137,7 @@ http://127.0.0.1:%[2]d {
 	}
 	reverse_proxy %[5]s
 }
-`, port, waitPort, r.pair.DSN(), failoverLock, r.up.Addr()))
+`, port, waitPort, r.pair.DSN(), lock, r.up.Addr()))
 		r.sites[i] = procSite(t, r.procs[i], port)
 		r.waitSites[i] = procSite(t, r.procs[i], waitPort)
 	}
@@ -141,8 +146,14 @@ http://127.0.0.1:%[2]d {
 
 // load runs clients that each send keys one after the other, every key
 // until it gets a 2xx, alternating between the instances. The primary
-// is stopped while they run, and the standby promoted failoverGap later.
-func (r *failoverRun) load(t *testing.T, clients int) {
+// is stopped while they run, and the standby promoted r.gap later.
+//
+// The slow keys, if any, are sent 0.5 s into the load, one to each
+// instance in turn, and their upstream calls (X-Test-Sleep) end while
+// there is no primary: each is then retried, from the promotion on, on
+// the other instance, as a client that gave up on its answer would, and
+// those attempts are the key's retries.
+func (r *failoverRun) load(t *testing.T, clients int, slow []*failoverKey) {
 	t.Helper()
 	var (
 		next        atomic.Int64
@@ -153,6 +164,7 @@ func (r *failoverRun) load(t *testing.T, clients int) {
 		ctx, cancel = context.WithTimeout(context.Background(), 80*time.Second)
 	)
 	defer cancel()
+	r.keys = append(r.keys, slow...)
 	r.start = time.Now()
 	for range clients {
 		wg.Add(1)
@@ -172,13 +184,28 @@ func (r *failoverRun) load(t *testing.T, clients int) {
 			}
 		}()
 	}
+	promoted := make(chan struct{})
+	for i, k := range slow {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			time.Sleep(500 * time.Millisecond)
+			k.attempts = r.send(ctx, k, i%2)
+		}()
+		go func() {
+			defer wg.Done()
+			<-promoted
+			k.retries = r.send(ctx, &failoverKey{key: k.key, body: k.body, header: k.header}, 1-i%2)
+		}()
+	}
 	time.Sleep(1500 * time.Millisecond)
 	r.kill = time.Now()
 	r.pair.KillPrimary(t)
-	time.Sleep(failoverGap - time.Since(r.kill))
+	time.Sleep(r.gap - time.Since(r.kill))
 	r.promote = time.Now()
 	r.pair.Promote(t)
 	r.promoted = time.Now()
+	close(promoted)
 	listening := make(chan time.Time, 1)
 	go func() {
 		// Both instances' LISTEN connections, back on the promoted server.
@@ -244,6 +271,36 @@ func (r *failoverRun) send(ctx context.Context, k *failoverKey, inst int) (attem
 		ctxSleep(ctx, time.Duration(40+rand.IntN(40))*time.Millisecond)
 	}
 	return attempts
+}
+
+// TestFailoverLongerThanLease holds the primary down for longer than
+// lock_timeout. Time without a primary does not count against a lease:
+// the owners whose upstream answered during the outage store their
+// responses once the standby is promoted, and the retries of other
+// clients, sent from the promotion on, get 409 in progress and then the
+// replay, never a takeover.
+func TestFailoverLongerThanLease(t *testing.T) {
+	const lock, gap = 3 * time.Second, 6 * time.Second
+	r := startFailover(t, true, lock, gap)
+	var slow []*failoverKey
+	for i := range 8 {
+		slow = append(slow, &failoverKey{
+			key:    fmt.Sprintf("failover-slow-%s-%02d", randomHex(3), i),
+			body:   payBody(),
+			header: map[string]string{"X-Test-Sleep": "2s"},
+		})
+	}
+	r.load(t, 8, slow)
+	for _, k := range slow {
+		if len(k.attempts) != 1 || !k.attempts[0].ok() {
+			t.Errorf("%s: the owner's request, whose upstream answered during the outage, got %+v, want its 2xx",
+				k.key, k.attempts)
+		}
+		if len(k.retries) == 0 || !k.retries[len(k.retries)-1].replayed {
+			t.Errorf("%s: the retries after the promotion ended without a replay: %+v", k.key, k.retries)
+		}
+	}
+	r.report(t, true)
 }
 
 // checkWaitAfterFailover checks that `wait` works on the promoted
@@ -320,6 +377,7 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 		examples                                                  []string
 		incomplete, againReplayed, againExecuted, againUnanswered int
 		againStatuses                                             = make(map[string]int)
+		retriesExecuted                                           int
 	)
 	example := func(format string, args ...any) {
 		if len(examples) < 20 {
@@ -372,6 +430,18 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 		for _, a := range k.again {
 			if a.err == nil && !a.ok() {
 				againStatuses[fmt.Sprintf("%d %s", a.status, a.problem)]++
+			}
+		}
+		for _, a := range k.retries {
+			switch {
+			case a.ok() && !a.replayed:
+				retriesExecuted++
+				example("%s: a retry after the promotion executed it (a takeover of a live owner)", k.key)
+			case a.err != nil || a.ok() || a.status == http.StatusConflict && a.problem == "in-progress",
+				a.status == http.StatusServiceUnavailable && a.problem == "store-unavailable":
+			default:
+				unexpected++
+				example("%s: unexpected answer to a retry %d %q", k.key, a.status, a.problem)
 			}
 		}
 		var conflictFrom, conflictTo time.Time
@@ -452,7 +522,7 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 		"(the longest waited %v); keys that got 409 in progress: %d (the longest run %v), still after the first 2xx: %d; "+
 		"sent again: %d replayed, %d executed again, %d without a 2xx, other answers [%s]; records not completed in the end: %d; "+
 		"transport errors: %d, unexpected answers: %d; logged: %d store errors, %d lock lost, %d takeovers, %d replication warnings",
-		mode, failoverLock, len(r.keys), requests, r.end.Sub(r.start).Round(10*time.Millisecond),
+		mode, r.lock, len(r.keys), requests, r.end.Sub(r.start).Round(10*time.Millisecond),
 		r.kill.Sub(r.start).Round(10*time.Millisecond), r.promote.Sub(r.kill).Round(10*time.Millisecond),
 		r.promoted.Sub(r.promote).Round(10*time.Millisecond), firstOK.Sub(r.promote).Round(10*time.Millisecond),
 		twice, never, lost, unanswered, counted(gap), inFlight, inFlightWait.Round(10*time.Millisecond),
@@ -463,6 +533,9 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 		t.Logf("failover: the first %d notable keys:\n%s", len(examples), strings.Join(examples, "\n"))
 	}
 
+	if retriesExecuted > 0 {
+		fail("failover: %d retries of slow keys executed them while their owner waited to store the response", retriesExecuted)
+	}
 	if twice > 0 || never > 0 || lost > 0 || unanswered > 0 || againExecuted > 0 || againUnanswered > 0 || incomplete > 0 {
 		fail("failover: %d keys executed twice, %d answered 2xx but never executed, %d records lost, %d keys without a 2xx; "+
 			"sent again, %d executed again and %d got no 2xx; %d records not completed in the end",

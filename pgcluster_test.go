@@ -27,6 +27,8 @@ type pgPair struct {
 	dir                      string
 	pgCtl                    string
 	asUser                   []string
+	// primaryOpts are the primary's settings, for a restart.
+	primaryOpts string
 }
 
 // startPGPair starts a primary and a standby that streams from it. With
@@ -39,6 +41,40 @@ type pgPair struct {
 // A lag above zero puts the standby that far behind the primary: it
 // streams through lagProxy.
 func startPGPair(t testing.TB, synchronous bool, lag time.Duration) *pgPair {
+	t.Helper()
+	standbyNames := "''"
+	if synchronous {
+		standbyNames = "'*'"
+	}
+	c, basebackup := startPGPrimary(t, standbyNames)
+	if err := c.run(basebackup, "-h", "127.0.0.1", "-p", strconv.Itoa(c.PrimaryPort), "-U", "postgres",
+		"-D", c.data("standby"), "-R", "-X", "stream", "-c", "fast", "--no-sync"); err != nil {
+		t.Fatal(err)
+	}
+	// Promoted, the standby must not wait for a standby of its own that
+	// does not exist, as a failover manager would see to.
+	standbyOpts := "-c synchronous_standby_names=''"
+	if lag > 0 {
+		standbyOpts += fmt.Sprintf(" -c primary_conninfo='host=127.0.0.1 port=%d user=postgres'", lagProxy(t, c.PrimaryPort, lag))
+	}
+	if err := c.start("standby", c.StandbyPort, standbyOpts); err != nil {
+		t.Fatal(err)
+	}
+	want := "async"
+	if synchronous {
+		want = "sync"
+	}
+	waitFor(t, 30*time.Second, "the standby to stream "+want+"hronously", func() bool {
+		rows := pgQuery(t, c.PrimaryDSN(), "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = $1", want)
+		return rows[0][0] == "1"
+	})
+	return c
+}
+
+// startPGPrimary initialises and starts the primary of startPGPair, with
+// synchronous_standby_names set to standbyNames, and returns it with the
+// path of pg_basebackup. It stops the servers when the test ends.
+func startPGPrimary(t testing.TB, standbyNames string) (*pgPair, string) {
 	t.Helper()
 	initdb, pgCtl, err := findPostgresBinaries()
 	if err != nil {
@@ -97,6 +133,7 @@ func startPGPair(t testing.TB, synchronous bool, lag time.Duration) *pgPair {
 	if c.StandbyPort, err = freePort(); err != nil {
 		t.Fatal(err)
 	}
+	c.primaryOpts = "-c synchronous_commit=on -c synchronous_standby_names=" + standbyNames
 
 	if err := c.run(initdb, "-D", c.data("primary"), "--username=postgres", "--auth=trust",
 		"--encoding=UTF8", "--locale=C", "--no-sync"); err != nil {
@@ -105,35 +142,10 @@ func startPGPair(t testing.TB, synchronous bool, lag time.Duration) *pgPair {
 	// fsync is off for speed: an immediate stop kills the server, not the
 	// machine, so whatever a server wrote survives in the page cache.
 	// The durability under test is the replication's.
-	standbyNames := "''"
-	if synchronous {
-		standbyNames = "'*'"
-	}
-	if err := c.start("primary", c.PrimaryPort, "-c synchronous_commit=on -c synchronous_standby_names="+standbyNames); err != nil {
+	if err := c.start("primary", c.PrimaryPort, c.primaryOpts); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.run(basebackup, "-h", "127.0.0.1", "-p", strconv.Itoa(c.PrimaryPort), "-U", "postgres",
-		"-D", c.data("standby"), "-R", "-X", "stream", "-c", "fast", "--no-sync"); err != nil {
-		t.Fatal(err)
-	}
-	// Promoted, the standby must not wait for a standby of its own that
-	// does not exist, as a failover manager would see to.
-	standbyOpts := "-c synchronous_standby_names=''"
-	if lag > 0 {
-		standbyOpts += fmt.Sprintf(" -c primary_conninfo='host=127.0.0.1 port=%d user=postgres'", lagProxy(t, c.PrimaryPort, lag))
-	}
-	if err := c.start("standby", c.StandbyPort, standbyOpts); err != nil {
-		t.Fatal(err)
-	}
-	want := "async"
-	if synchronous {
-		want = "sync"
-	}
-	waitFor(t, 30*time.Second, "the standby to stream "+want+"hronously", func() bool {
-		rows := pgQuery(t, c.PrimaryDSN(), "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' AND sync_state = $1", want)
-		return rows[0][0] == "1"
-	})
-	return c
+	return c, basebackup
 }
 
 func (c *pgPair) data(node string) string    { return filepath.Join(c.dir, node) }
@@ -179,6 +191,14 @@ func (c *pgPair) DSN() string {
 func (c *pgPair) KillPrimary(t testing.TB) {
 	t.Helper()
 	if err := c.run(c.pgCtl, "-D", c.data("primary"), "-m", "immediate", "-w", "stop"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// StartPrimary starts the primary again, after KillPrimary: a restart.
+func (c *pgPair) StartPrimary(t testing.TB) {
+	t.Helper()
+	if err := c.start("primary", c.PrimaryPort, c.primaryOpts); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -1,0 +1,121 @@
+package idempotency
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"testing"
+	"time"
+)
+
+// A database restarted after being down for longer than lock_timeout: the
+// time it was down does not count against a lease. The owner whose
+// upstream answered during the outage stores its response once the server
+// is back, and a retry on another instance meanwhile gets 409 in progress,
+// then the replay. The owner that died (its Caddy killed) is taken over
+// all the same, but only once the restarted server has been up for
+// lock_timeout.
+func TestRestartLongerThanLease(t *testing.T) {
+	const lock = 2 * time.Second
+	pg, _ := startPGPrimary(t, "''")
+	up := newUpstream(t)
+	var sites [3]*site
+	var procs [3]*caddyProc
+	for i := range procs {
+		port := freeTCPPort(t)
+		procs[i] = startCaddyProc(t, fmt.Sprintf("instance-%c", 'a'+i), fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+		}
+		lock_timeout %s
+		retry_after 1s
+		prune_interval 0
+	}
+	reverse_proxy %s
+}
+`, port, pg.PrimaryDSN(), lock, up.Addr()))
+		sites[i] = procSite(t, procs[i], port)
+	}
+	owned := call{Key: newKey(), Body: payBody(), Header: sleepFor(1500 * time.Millisecond)}
+	dead := call{Key: newKey(), Body: payBody(), Header: sleepFor(3 * time.Second)}
+	ownerDone := make(chan reply, 1)
+	go func() {
+		rep, err := sites[0].DoCtx(context.Background(), owned)
+		if err != nil {
+			rep = reply{Status: -1, Body: []byte(err.Error())}
+		}
+		ownerDone <- rep
+	}()
+	go func() { _, _ = sites[2].DoCtx(context.Background(), dead) }()
+	up.WaitStarted(t, 2)
+	procs[2].Kill(t)
+
+	pg.KillPrimary(t)
+	// The owner's upstream answers while the server is down, and its lease,
+	// dated by the last renewal, runs out.
+	time.Sleep(2 * lock)
+	restart := time.Now()
+	pg.StartPrimary(t)
+	t.Logf("the server was down for %v", time.Since(restart).Round(10*time.Millisecond)+2*lock)
+
+	// Retries of both keys on the instance that owns neither.
+	var ownedRetried, takenOver reply
+	var takenOverAt time.Time
+	deadline := time.Now().Add(lock + 20*time.Second)
+	for (ownedRetried.Status == 0 || takenOver.Status == 0) && time.Now().Before(deadline) {
+		for _, c := range []call{owned, dead} {
+			done := &ownedRetried
+			if c.Key == dead.Key {
+				done = &takenOver
+			}
+			if done.Status != 0 {
+				continue
+			}
+			sent := time.Now()
+			rep, err := sites[1].DoCtx(context.Background(), c)
+			switch {
+			case err != nil:
+				t.Fatalf("a retry of %s: %v", c.Key, err)
+			case rep.Status == http.StatusConflict && problemType(rep) == "in-progress",
+				rep.Status == http.StatusServiceUnavailable && problemType(rep) == "store-unavailable":
+			case rep.Status >= 200 && rep.Status < 300:
+				*done = rep
+				if c.Key == dead.Key {
+					takenOverAt = sent
+				}
+			default:
+				t.Fatalf("a retry of %s: %s", c.Key, rep)
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	owner := <-ownerDone
+	if owner.Status != http.StatusCreated {
+		t.Errorf("the owner, whose upstream answered while the server was down, got %s, want its 201", owner)
+	}
+	if !ownedRetried.replayed() {
+		t.Errorf("a retry of the owned key got %s, want the owner's response replayed", ownedRetried)
+	}
+	counts := make(map[string]int)
+	for _, e := range up.Executions() {
+		counts[e.Key]++
+	}
+	if counts[owned.Key] != 1 {
+		t.Errorf("the key whose owner waited out the restart executed %d times, want once", counts[owned.Key])
+	}
+	switch {
+	case takenOver.Status == 0:
+		t.Errorf("the dead owner's key was never taken over after the restart")
+	case takenOver.replayed() || counts[dead.Key] != 2:
+		t.Errorf("the dead owner's key: %s, executed %d times; want a takeover that executes it again",
+			takenOver, counts[dead.Key])
+	case takenOverAt.Before(restart.Add(lock)):
+		t.Errorf("the dead owner's key was taken over %v after the restart began, before the server had been up for lock_timeout (%v)",
+			takenOverAt.Sub(restart).Round(10*time.Millisecond), lock)
+	default:
+		t.Logf("the dead owner's key was taken over by a retry sent %v after the restart began",
+			takenOverAt.Sub(restart).Round(10*time.Millisecond))
+	}
+}
