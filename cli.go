@@ -151,7 +151,7 @@ table at the moment, this one says so and does nothing.`,
 				return code, err
 			}
 			defer db.pool.Close()
-			s := &PostgresStore{pool: db.pool, table: db.table, sql: newPostgresSQL(db.table.quoted())}
+			s := &PostgresStore{pool: db.pool, table: db.table, sql: newPostgresSQL(db.table)}
 			n, locked, err := s.prune(ctx, batch)
 			if err != nil {
 				return exitError, db.explain(fmt.Errorf("pruned %d record(s), then: %w", n, err))

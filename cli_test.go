@@ -107,6 +107,7 @@ func TestCLIInspectAndRelease(t *testing.T) {
 		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c.Key); n != 1 {
 		t.Fatalf("updated %d rows, want 1", n)
 	}
+	primaryLongUp(t, dsn, sb.Table)
 	wantProblem(t, s.Do(t, c), http.StatusConflict)
 
 	// The operator finds the credential id in the in-progress log line.

@@ -129,6 +129,7 @@ func TestStaleLockIsTakenOverByOneRetrier(t *testing.T) {
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
 		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c.Key)
+	primaryLongUp(t, sb.DSN, sb.Table)
 	if n != 1 {
 		t.Fatalf("updated %d rows, want 1", n)
 	}

@@ -233,23 +233,29 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 // complete stores the response, then lets the lease go. The client
 // already has it; a failure here leaves the record in progress until its
 // lock expires, and then a retry would run again. So it is retried for
-// as long as the lock, which ls goes on renewing meanwhile, cannot have
-// been taken over: a store that lost its connections (a restart, a
-// failover) fails the first statements on each of the pool's dead
-// connections before a fresh one is dialled, and a fixed few attempts
-// can all meet one. An attempt is given half a renewal interval, not
-// the whole store timeout: a reply that never comes (a host gone silent)
-// would otherwise use up the lease of a short lock_timeout before a
-// second attempt, on a live connection, could be sent. A response that
-// the store can never take (ErrUnstorable) is not retried: the record is
-// completed as not replayable instead, so that a retry is refused, not
-// executed. It reports whether the record holds the response (or that
-// refusal).
+// as long as the store fails, for at most execution_timeout plus
+// lock_timeout (what the pool and a graceful stop wait for), while ls
+// goes on renewing the lock: a store that lost its connections (a
+// restart, a failover) fails the first statements on each of the pool's
+// dead connections before a fresh one is dialled, and a fixed few
+// attempts can all meet one. Time during which the store cannot be
+// reached does not count against the lease (leaseEndSQL), so an owner
+// that waits out an outage longer than lock_timeout still stores its
+// response before a retry can take over, and a lock that was taken over
+// meanwhile fails the completion (ErrLockLost), which ends the wait. An
+// attempt is given half a renewal interval, not the whole store timeout:
+// a reply that never comes (a host gone silent) would otherwise use up
+// the lease of a short lock_timeout before a second attempt, on a live
+// connection, could be sent. A response that the store can never take
+// (ErrUnstorable) is not retried: the record is completed as not
+// replayable instead, so that a retry is refused, not executed. It
+// reports whether the record holds the response (or that refusal).
 func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) {
 	ls.completing()
 	defer ls.stop()
 	var err error
 	degraded := false
+	deadline := time.Now().Add(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
 		ctx, cancel := context.WithTimeout(context.Background(), h.attemptTimeout())
 		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
@@ -259,7 +265,6 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
 		}
-		deadline := ls.dated().Add(time.Duration(h.LockTimeout))
 		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
 		}

@@ -251,7 +251,7 @@ func (s *PostgresStore) inspectRecords(ctx context.Context, f recordFilter) ([]i
 	var out []inspectedRecord
 	for _, p := range prefixes {
 		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
-	expires_at <= now(), status = 'in_progress' AND `+leaseEndSQL("r", "$6::bigint"+microseconds)+` <= now(), now(),
+	expires_at <= now(), status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$6::bigint"+microseconds)+` <= now(), now(),
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	locked_at, locked_until, response_status, replayable, response_size,
 	octet_length(response_body), octet_length(COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8'))),
@@ -344,7 +344,7 @@ func (s *PostgresStore) deleteRecord(ctx context.Context, key RecordKey, force b
 	var status string
 	err = tx.QueryRow(ctx, `DELETE FROM `+s.table.quoted()+` AS r
 WHERE credential_hash = $1 AND key = $2
-	AND ($3 OR (status = 'in_progress' AND `+leaseEndSQL("r", "$4::bigint"+microseconds)+` <= now()))
+	AND ($3 OR (status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$4::bigint"+microseconds)+` <= now()))
 RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microseconds()).Scan(&status)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return "", errNoRecord

@@ -75,6 +75,7 @@ http://127.0.0.1:%d {
 	c3 := call{Key: newKey(), Body: payBody()}
 	wantExecuted(t, pg.Do(t, c3), http.StatusCreated)
 	sb.waitCompleted(t, c3.Key)
+	primaryLongUp(t, sb.DSN, sb.Table)
 	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,

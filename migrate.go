@@ -251,6 +251,8 @@ func (t tableName) render(sql string) string {
 			return t.quoted()
 		case secretTableSuffix:
 			return t.secretTable()
+		case primariesTableSuffix:
+			return t.primariesTable()
 		}
 		return pgx.Identifier{derivedName(t.name, suffix)}.Sanitize()
 	})

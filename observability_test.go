@@ -90,6 +90,7 @@ http://127.0.0.1:%d {
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
 		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c.Key)
+	primaryLongUp(t, sb.DSN, sb.Table)
 	pg.Do(t, c) // takeover
 	pgExec(t, sb.DSN, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
 		status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)

@@ -119,3 +119,17 @@ func TestRestartLongerThanLease(t *testing.T) {
 			takenOverAt.Sub(restart).Round(10*time.Millisecond))
 	}
 }
+
+// primaryLongUp makes the server look, to the leases of table, as if it had
+// been the primary since long ago: a test that dates a lease an hour back
+// means a lease that ran out while the server was up.
+func primaryLongUp(t testing.TB, dsn, table string) {
+	t.Helper()
+	tn, err := parseTableName(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgExec(t, dsn, `INSERT INTO `+tn.primariesTable()+` (system_identifier, timeline, first_seen)
+	SELECT `+thisPrimarySQL+`, '-infinity'
+	ON CONFLICT (system_identifier, timeline) DO UPDATE SET first_seen = excluded.first_seen`)
+}

@@ -47,6 +47,7 @@ func TestCLIAndAdminAPIReleaseAgree(t *testing.T) {
 	// Its owner is gone (the lease ended, unrenewed): both see it so,
 	// and the CLI releases it.
 	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
+	primaryLongUp(t, sb.DSN, sb.Table)
 	recs = admin.records(url.Values{"store": {name}, "key": {k}}, nil)
 	if len(recs.Records) != 1 || !recs.Records[0].LeaseEnded {
 		t.Fatalf("the record whose lease ended, by the admin API: %+v", recs)

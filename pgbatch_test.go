@@ -54,6 +54,7 @@ func TestPostgresBatchedAcquireGivesEachRowItsOutcome(t *testing.T) {
 	otherTenant := testAcquireRequest("another cred", "done", "body")
 	mustExec(t, s, "UPDATE "+s.table.quoted()+` SET locked_at = now() - interval '1 hour', locked_until = now() - interval '1 hour' + interval '30 seconds'
 WHERE key IN ('stale', 'stale-other')`)
+	primaryLongUp(t, s.DSN, s.Table)
 	mustExec(t, s, "UPDATE "+s.table.quoted()+` SET expires_at = now() - interval '1 second' WHERE key = 'expired'`)
 
 	calls := sendAcquireBatch(s,

@@ -36,29 +36,75 @@ const recordColumns = `status, fingerprint, method, path, created_at, expires_at
 const recordColumnNames = `status, fingerprint, method, path, created_at, expires_at,
 	locked_at, locked_until, response_status, headers, response_body, replayable, response_size, ttl_us`
 
-// leaseEndSQL is when the lease of the in-progress row row ends:
+// primariesTableSuffix names the table where the instances of a Postgres
+// table note when they first saw each primary (migration 0004).
+const primariesTableSuffix = "_primaries"
+
+// primariesTable is the quoted name of t's primaries table, in t's schema.
+func (t tableName) primariesTable() string {
+	return t.sibling(derivedName(t.name, primariesTableSuffix))
+}
+
+// thisPrimarySQL is the server's system identifier and timeline, the key
+// of its row in the primaries table. The timeline is the current WAL
+// file's (a promotion starts a new one at once; pg_control's checkpoint
+// timeline changes only at the next checkpoint). A standby has none: the
+// CASE keeps pg_walfile_name, which fails during recovery, from being
+// called there.
+const thisPrimarySQL = `(SELECT system_identifier FROM pg_control_system()),
+	CASE WHEN NOT pg_is_in_recovery() THEN ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int END`
+
+// primarySinceSQL is when the server became the primary that it is now:
+// its start, or the first acquire that it served on its timeline, the
+// later. Without a row for its timeline (a standby promoted, that no
+// acquire has reached yet, or a standby), it is now(): time spent before
+// is not known to have been spent as this primary.
+func primarySinceSQL(t tableName) string {
+	return fmt.Sprintf(`GREATEST(pg_postmaster_start_time(), COALESCE(
+	(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (%s)), now()))`,
+		t.primariesTable(), thisPrimarySQL)
+}
+
+// notePrimarySQL adds the server's row to the primaries table if it has
+// none: a data-modifying WITH query of acquire. Its row is not seen by
+// the statement that adds it (one snapshot), which judges leases as if
+// there were none.
+func notePrimarySQL(t tableName) string {
+	return fmt.Sprintf(`INSERT INTO %[1]s AS p (system_identifier, timeline, first_seen)
+	SELECT s.*, now() FROM (SELECT %[2]s) AS s (system_identifier, timeline)
+	WHERE s.timeline IS NOT NULL
+		AND NOT EXISTS (SELECT FROM %[1]s AS p WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline))
+	ON CONFLICT DO NOTHING`, t.primariesTable(), thisPrimarySQL)
+}
+
+// leaseEndSQL is when the lease of the in-progress row row of t ends:
 // locked_until, or for rows written before migration 0002, locked_at
-// plus lockTimeout (an SQL interval), the lock timeout of whoever asks.
+// plus lockTimeout (an SQL interval), the lock timeout of whoever asks;
+// but never sooner than the lease's length after the server became the
+// primary it is now (primarySinceSQL). Time during which the database
+// was down, or had no primary, does not count against a lease: an owner
+// that waits for the database to store its answer gets, once it is back,
+// a whole lease to renew or to complete, before a retry can take over.
+// A dead owner's record is taken over too, only that much later.
 //
 // "The owner is gone" is one rule, that of a takeover, a renewal and a
 // non-forced release alike: the lease has ended, leaseEndSQL <= now() by
-// the database's clock. A renewal succeeds only while it is live
-// (locked_until > now(): the rows an owner renews always have one), and
+// the database's clock. A renewal succeeds only while it is live, and
 // the row lock orders it with a takeover or a release, so a late owner
 // never renews a record that either could have taken.
-func leaseEndSQL(row, lockTimeout string) string {
-	return fmt.Sprintf(`COALESCE(%[1]s.locked_until, %[1]s.locked_at + %[2]s)`, row, lockTimeout)
+//
+// since is primarySinceSQL, or a statement's reference to it.
+func leaseEndSQL(since, row, lockTimeout string) string {
+	return fmt.Sprintf(`GREATEST(COALESCE(%[1]s.locked_until, %[1]s.locked_at + %[2]s),
+	%[3]s + COALESCE(%[1]s.locked_until - %[1]s.locked_at, %[2]s))`, row, lockTimeout, since)
 }
-
-// leaseEnd is leaseEndSQL in an ON CONFLICT clause, whose asker is the
-// request that would take over, with the lease it would set.
-var leaseEnd = leaseEndSQL("r", "(excluded.locked_until - excluded.locked_at)")
 
 // microseconds turns a parameter of microseconds into an interval: the
 // batched statements take durations as arrays of bigint.
 const microseconds = ` * interval '1 microsecond'`
 
-func newPostgresSQL(table string) postgresSQL {
+func newPostgresSQL(t tableName) postgresSQL {
+	table := t.quoted()
 	// The row is found through the primary key alone, and only then
 	// tested: OFFSET 0 keeps the planner from pushing the tests into the
 	// scan. Otherwise, once most rows are expired (a pruning backlog) and
@@ -72,7 +118,7 @@ FROM (SELECT * FROM %s WHERE credential_hash = $1 AND key = $2 OFFSET 0) AS r
 WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 	return postgresSQL{
 		lookup:  lookup,
-		acquire: acquireSQL(table),
+		acquire: acquireSQL(t),
 
 		complete: completeSQL(table, false),
 		release:  releaseSQL(table, false),
@@ -92,7 +138,7 @@ WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'c
 	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
 FROM input AS i
 WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'
-	AND r.locked_until > now()`),
+	AND `+leaseEndSQL(primarySinceSQL(t), "r", "NULL::interval")+` > now()`),
 
 		// ctid lets the batch be picked through the expires_at index and
 		// deleted without a second lookup. Rows that a batch of acquires
@@ -102,9 +148,9 @@ WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in
 		// meanwhile survives. A live lease keeps a record whatever its
 		// expiry (only rows written before migration 0002 can have one
 		// past it).
-		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s
+		pruneBatch: fmt.Sprintf(`DELETE FROM %[1]s AS r
 WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED))
-	AND expires_at <= now() AND (locked_until IS NULL OR locked_until <= now())`, table),
+	AND expires_at <= now() AND (locked_until IS NULL OR %[2]s <= now())`, table, leaseEndSQL(primarySinceSQL(t), "r", "NULL::interval")),
 	}
 }
 
@@ -112,8 +158,9 @@ WHERE ctid = ANY (ARRAY (SELECT ctid FROM %[1]s WHERE expires_at <= now() LIMIT 
 var acquireColumns = []string{"bytea in_hash", "text in_key", "bytea in_fingerprint", "text in_method",
 	"text in_path", "bytea in_token", "bigint in_retention_us", "bigint in_lock_us"}
 
-// acquireSQL is the acquire of table.
-func acquireSQL(table string) statement {
+// acquireSQL is the acquire of t.
+func acquireSQL(t tableName) statement {
+	table := t.quoted()
 	// Every request's row is looked up first, through the primary
 	// key (a lateral subquery per row, OFFSET 0 for the reason given
 	// in newPostgresSQL), in the statement's snapshot.
@@ -158,13 +205,18 @@ func acquireSQL(table string) statement {
 	// affect a row twice), and the INSERT takes them in the batch's
 	// order, the same on every instance, so that batches never
 	// deadlock on each other's row locks.
+	// The server's primary_since is read once, and only by a statement
+	// that judges a lease.
+	const since = "(SELECT since FROM primary_since)"
 	return newStatement(acquireColumns, func(rows string) string {
 		return fmt.Sprintf(`WITH input AS (
 	%[9]s
+), primary_since AS (
+	SELECT %[12]s AS since
 ), found AS (
 	SELECT i.n,
 		r.status = 'completed' AND r.expires_at > now() AS live,
-		r.status = 'in_progress' AND r.lock_token = i.in_token AND r.locked_until > now() AS mine,
+		r.status = 'in_progress' AND r.lock_token = i.in_token AND %[11]s > now() AS mine,
 		%[5]s
 	FROM input AS i
 	CROSS JOIN LATERAL (SELECT * FROM %[1]s WHERE credential_hash = i.in_hash AND key = i.in_key OFFSET 0) AS r
@@ -198,6 +250,8 @@ func acquireSQL(table string) statement {
 			AND r.fingerprint = excluded.fingerprint
 			AND %[6]s <= now())
 	RETURNING credential_hash, key, created_at = now() AS fresh
+), noted AS (
+	%[10]s
 )
 SELECT i.n, CASE
 		WHEN c.fresh THEN %[2]d
@@ -210,7 +264,9 @@ SELECT i.n, CASE
 FROM input AS i
 LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
 LEFT JOIN found AS f ON f.n = i.n`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns, leaseEnd, microseconds, recordColumnNames, rows)
+			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns,
+			leaseEndSQL(since, "r", "(excluded.locked_until - excluded.locked_at)"), microseconds, recordColumnNames, rows, notePrimarySQL(t),
+			leaseEndSQL(since, "r", "NULL::interval"), primarySinceSQL(t))
 	})
 }
 

@@ -236,7 +236,7 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = key
 	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
-	s.sql = newPostgresSQL(s.table.quoted())
+	s.sql = newPostgresSQL(s.table)
 	s.acquires = &batcher[queuedAcquire, AcquireResult]{
 		lanes:  min(batchLanes, acquireSlots(s.MaxConns)),
 		key:    func(r queuedAcquire) RecordKey { return r.Key },

@@ -177,6 +177,7 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 
 	// The owner died an hour ago.
 	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour', locked_until = now() - interval '1 hour' + interval '30 seconds'")
+	primaryLongUp(t, s.DSN, s.Table)
 
 	t.Run("other request does not take over", func(t *testing.T) {
 		other := testAcquireRequest("cred", owner.Key.Key, "another body")
@@ -984,13 +985,17 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 	// lane of their batcher, each batch holding one request for the key
 	// (two cannot share a statement). (Not asked of the locker: a
 	// transaction sees one snapshot of the activity statistics.)
+	// The acquires are told by their start and their table's name, which
+	// comes early: pg_stat_activity keeps a statement's first 1 KiB only
+	// (track_activity_query_size).
 	watcher := pgConnect(t, testDSN(t))
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var waiting int
 		if err := watcher.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-WHERE datname = current_database() AND wait_event_type = 'Lock' AND state = 'active' AND query LIKE '%INSERT INTO '||$1||'%'`,
-			s.table.quoted()).Scan(&waiting); err != nil {
+WHERE datname = current_database() AND wait_event_type = 'Lock' AND state = 'active'
+	AND query LIKE 'WITH input AS%' AND position($1 IN query) > 0`,
+			s.table.name).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}
 		if waiting >= s.acquires.lanes {

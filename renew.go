@@ -121,13 +121,6 @@ type lease struct {
 	l *keptLock
 }
 
-// dated is when the lock was last dated.
-func (ls *lease) dated() time.Time {
-	ls.r.mu.Lock()
-	defer ls.r.mu.Unlock()
-	return ls.l.dated
-}
-
 // completing notes that the record is being completed: from now on, a
 // renewal that finds the lock gone may have met the completion itself,
 // so it tells nothing; the completion finds out whether the lock was

@@ -41,7 +41,7 @@ type tableStatements struct {
 func (tr *tableTracer) watch(t *testing.T, table string) {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
-	tr.watched[table] = &tableStatements{sql: newPostgresSQL(pgx.Identifier{table}.Sanitize())}
+	tr.watched[table] = &tableStatements{sql: newPostgresSQL(tableName{name: table})}
 	t.Cleanup(func() {
 		tr.mu.Lock()
 		defer tr.mu.Unlock()
