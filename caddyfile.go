@@ -59,6 +59,9 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    mismatch_status    409|422
 //	    shadow
 //	    on_store_error     fail_closed|fail_open
+//	    scope              <name>
+//	    key_json           <pointer>
+//	    store_status       <status...>
 //	}
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
@@ -167,6 +170,22 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("idempotency: on_store_error must be %s or %s, not %q",
 					onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
 			}
+		case "scope":
+			err = oneArg(d, &h.Scope)
+		case "key_json":
+			if err = oneArg(d, &h.KeyJSON); err == nil {
+				if _, err := parseJSONPointer(h.KeyJSON); err != nil {
+					return d.Errf("idempotency: %v", err)
+				}
+			}
+		case "store_status":
+			h.StoreStatus = d.RemainingArgs()
+			if len(h.StoreStatus) == 0 {
+				return d.ArgErr()
+			}
+			if _, err := parseStoreStatus(h.StoreStatus); err != nil {
+				return d.Errf("idempotency: %v", err)
+			}
 		default:
 			if backend, ok := storeOptions[name]; ok {
 				return d.Errf("idempotency: %s belongs inside store %s { }", name, backend)
@@ -176,6 +195,12 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		if err != nil {
 			return err
 		}
+	}
+	if err := checkScope(h.Scope, h.Credential, h.CredentialHeader); err != nil {
+		return d.Errf("idempotency: %v", err)
+	}
+	if err := checkKeyJSON(h.KeyJSON, h.KeyHeader); err != nil {
+		return d.Errf("idempotency: %v", err)
 	}
 	return nil
 }

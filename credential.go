@@ -292,7 +292,13 @@ func authChallenge(credHeader string) string {
 // the credential secret cannot be had (the store is unreachable). With
 // neither, an empty key means a request without one, under `optional`.
 // The problems are the package's: finish words them for the handler.
+//
+// A key_json key is in the body: it is left "", for step 3 to read
+// (bodyKey). A scope is hashed in place of a credential (scopeHash).
 func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk RecordKey, p *problem, err error) {
+	if h.keyPointer != nil {
+		return h.identifyCaller(r, repl, "")
+	}
 	keyValues := keyValues(r.Header, h.KeyHeader)
 	if len(keyValues) == 0 {
 		if h.Optional {
@@ -309,10 +315,24 @@ func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, r
 		return "", rk, &prob, nil
 	}
 	repl.Set("http.idempotency.key", key)
+	return h.identifyCaller(r, repl, key)
+}
 
+// identifyCaller does step 2 for a request with the key: it reads the
+// credential and hashes it, or hashes the scope.
+func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key string) (string, RecordKey, *problem, error) {
+	var rk RecordKey
+	if h.Scope != "" {
+		hasher, err := h.credKey.get(r.Context())
+		if err != nil {
+			return key, rk, nil, err
+		}
+		return key, RecordKey{CredentialHash: h.scopeSum(hasher), Key: key}, nil, nil
+	}
 	// A header is read by its fields, also through a placeholder, which
 	// would join fields that disagree into a scope of their own.
 	var credential string
+	var ok bool
 	if h.credHeader == "" {
 		credential = repl.ReplaceAll(h.Credential, "")
 	} else if credential, ok = onlyValue(r.Header.Values(h.credHeader)); !ok {

@@ -64,7 +64,12 @@ func (h *Handler) execute(q *request) error {
 		// may have acted, so the answer stored is the outcome-unknown
 		// one, not the part of a response that the client got.
 		h.logger.Error("idempotency.outcome_unknown", q.fields(zap.Any("panic", panicked))...)
-		h.complete(q, probOutcomeUnknown.worded(h.words).response(), ls)
+		if resp := probOutcomeUnknown.worded(h.words).response(); h.storeStatus.stores(resp.Status) {
+			h.complete(q, resp, ls)
+		} else {
+			ls.stop()
+			h.releaseUnstored(q, resp.Status)
+		}
 		panic(panicked)
 	}
 	// The body has been handed on (and read to its end): let it go
@@ -112,6 +117,16 @@ func (h *Handler) execute(q *request) error {
 		resp = p.response()
 	}
 
+	if !h.storeStatus.stores(resp.Status) {
+		// A webhook's failed delivery: the sender's next attempt must
+		// execute, not replay the failure (outcome-unknown included).
+		ls.stop()
+		h.releaseUnstored(q, resp.Status)
+		if h.Shadow {
+			return err
+		}
+		return nil
+	}
 	stored := h.complete(q, resp, ls)
 	if h.Shadow {
 		// Shadow mode changes no response: the error goes on to the
@@ -282,7 +297,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 // release deletes the record of a request that never executed. It
 // reports false if the store failed: the record is then still in
 // progress, until its lock goes stale.
-func (h *Handler) release(q *request, cause error) bool {
+func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
 	defer cancel()
 	switch err := h.store.Release(ctx, q.rk, q.token); {
@@ -294,6 +309,6 @@ func (h *Handler) release(q *request, cause error) bool {
 		h.storeError(q, "release", err)
 		return false
 	}
-	h.logger.Info("idempotency.release", q.fields(zap.NamedError("cause", cause))...)
+	h.logger.Info("idempotency.release", q.fields(append([]zap.Field{zap.NamedError("cause", cause)}, extra...)...)...)
 	return true
 }

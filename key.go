@@ -41,18 +41,26 @@ func parseKey(raw string) (string, error) {
 	if strings.HasPrefix(raw, `"`) {
 		return parseQuotedKey(raw)
 	}
-	if len(raw) < minKeyLen || len(raw) > maxKeyLen {
-		return "", fmt.Errorf("%s; got %d bytes", keyRule, len(raw))
-	}
-	for i := 0; i < len(raw); i++ {
-		if c := raw[i]; c < 0x20 || c > 0x7e {
-			return "", fmt.Errorf("%s; byte %d is 0x%02X", keyRule, i+1, c)
-		}
+	if err := checkBareKey(raw); err != nil {
+		return "", err
 	}
 	if raw[0] == ' ' || raw[len(raw)-1] == ' ' {
 		return "", errKeyEdgeSpace
 	}
 	return raw, nil
+}
+
+// checkBareKey applies the key rule to a key as it is, unquoted.
+func checkBareKey(key string) error {
+	if len(key) < minKeyLen || len(key) > maxKeyLen {
+		return fmt.Errorf("%s; got %d bytes", keyRule, len(key))
+	}
+	for i := 0; i < len(key); i++ {
+		if c := key[i]; c < 0x20 || c > 0x7e {
+			return fmt.Errorf("%s; byte %d is 0x%02X", keyRule, i+1, c)
+		}
+	}
+	return nil
 }
 
 // parseQuotedKey parses an RFC 8941 sf-string: printable ASCII between

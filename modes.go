@@ -124,7 +124,7 @@ func (h *Handler) serveShadow(q *request, idProb *problem, err error) error {
 	case idProb != nil:
 		wouldReject(key, *idProb)
 		return pass(resultRejected)
-	case key == "":
+	case key == "" && h.keyPointer == nil:
 		return pass(resultNoKey)
 	}
 	q.credID = credentialID(q.rk.CredentialHash)
@@ -134,6 +134,20 @@ func (h *Handler) serveShadow(q *request, idProb *problem, err error) error {
 		wouldReject(key, *prob)
 		restoreBody(r, body, prob)
 		return pass(resultRejected)
+	}
+	if h.keyPointer != nil {
+		prob := h.keyFromBody(q, body)
+		if prob != nil || q.key == "" || ownedOnTheWay(r.Context(), h.records, q.rk) {
+			restoreBody(r, body, nil)
+			switch {
+			case prob != nil:
+				wouldReject("", *prob)
+				return pass(resultRejected)
+			case q.key == "":
+				return pass(resultNoKey)
+			}
+			return q.next.ServeHTTP(q.w, r)
+		}
 	}
 	q.fp = fingerprint(headOf(r), body)
 	restoreBody(r, body, nil)

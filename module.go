@@ -185,8 +185,36 @@ type Handler struct {
 	// harmless and availability matters more.
 	OnStoreError string `json:"on_store_error,omitempty"`
 
+	// A fixed scope instead of a credential, for senders that have none
+	// (webhooks: one sender per route). Records are scoped by it as by a
+	// credential, under a keyed hash; no credential is read. Excludes
+	// credential and credential_header.
+	Scope string `json:"scope,omitempty"`
+
+	// An RFC 6901 JSON pointer, such as /id: the key is the JSON string,
+	// or the number as written, at that place in the request body (which
+	// is read for the fingerprint anyway) instead of a header. Excludes
+	// key_header.
+	KeyJSON string `json:"key_json,omitempty"`
+
+	// The statuses whose responses are stored and replayed: codes (204)
+	// or classes (2xx). Any other response reaches the client and the
+	// record is released, so that the next request with the key
+	// executes (a webhook sender's next delivery). Default: every
+	// response is stored.
+	StoreStatus []string `json:"store_status,omitempty"`
+
 	// store is the chain of stores the handler calls (wrapStore), and
 	// cache the replay cache in it, or nil.
+	// keyPointer is KeyJSON's reference tokens; storeStatus is
+	// StoreStatus's set (nil: every status).
+	keyPointer  []string
+	storeStatus statusSet
+	// explicitKeyHeader and explicitCredHeader are the key_header and
+	// credential_header as configured, before the defaults (Validate).
+	explicitKeyHeader, explicitCredHeader string
+	scopeCache                            *atomic.Pointer[scopeCached]
+
 	store     Store
 	cache     *replayCache
 	records   string // the name of the records the store holds (recordsOf)
@@ -232,6 +260,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	// for several servers, whose handlers' lines look alike otherwise.
 	h.logger = ctx.Logger().With(zap.String("server", serverName(ctx)))
 
+	h.explicitKeyHeader, h.explicitCredHeader = h.KeyHeader, h.CredentialHeader
+	h.scopeCache = new(atomic.Pointer[scopeCached])
+	if err := h.provisionWebhook(); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
+	}
 	if h.KeyHeader == "" {
 		h.KeyHeader = defaultKeyHeader
 	}
@@ -298,7 +331,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}
-	h.words = wordProblems(h.KeyHeader, cmp.Or(h.credHeader, h.CredentialHeader))
+	keyWord := h.KeyHeader
+	if h.KeyJSON != "" {
+		keyWord = "idempotency key (" + h.KeyJSON + ")"
+	}
+	h.words = wordProblems(keyWord, cmp.Or(h.credHeader, h.CredentialHeader))
 	h.challenge = authChallenge(h.credHeader)
 	h.executing = new(atomic.Int64)
 	h.keeper = newLockKeeper(h)
@@ -384,6 +421,12 @@ func (h *Handler) Validate() error {
 		if err := checkCredentialPlaceholder(h.Credential); err != nil {
 			return err
 		}
+	}
+	if err := checkScope(h.Scope, h.Credential, h.explicitCredHeader); err != nil {
+		return err
+	}
+	if err := checkKeyJSON(h.KeyJSON, h.explicitKeyHeader); err != nil {
+		return err
 	}
 	if err := checkKeyHeader(h.KeyHeader, h.CredentialHeader, h.Credential); err != nil {
 		return err
@@ -571,17 +614,32 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	case idProb != nil:
 		return h.reject(w, repl, key, *idProb)
-	case key == "":
+	case key == "" && h.keyPointer == nil:
 		repl.Set("http.idempotency.result", resultNoKey)
 		return next.ServeHTTP(w, r)
 	}
 	q.credID = credentialID(rk.CredentialHash)
 
-	// 3. Body, read whole (bounded) and handed on intact.
+	// 3. Body, read whole (bounded) and handed on intact, and a key_json
+	// key read from it.
 	body, held, prob := h.readBody(r)
 	defer h.bodyBudget.release(held)
 	if prob != nil {
 		return h.reject(w, repl, key, *prob)
+	}
+	if h.keyPointer != nil {
+		if prob := h.keyFromBody(&q, body); prob != nil {
+			return h.reject(w, repl, "", *prob)
+		}
+		if q.key == "" || ownedOnTheWay(r.Context(), h.records, q.rk) {
+			// Without a key under `optional`, or executed under this
+			// very record by a handler around this one (as above).
+			if q.key == "" {
+				repl.Set("http.idempotency.result", resultNoKey)
+			}
+			restoreBody(r, body, nil)
+			return next.ServeHTTP(w, r)
+		}
 	}
 
 	// 4. Fingerprint.

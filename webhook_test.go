@@ -1,0 +1,397 @@
+package idempotency
+
+// Webhooks: a sender that signs its deliveries and retries until a 2xx,
+// as Stripe's, with stripe-go's own signing and verification.
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stripe/stripe-go/v82"
+	"github.com/stripe/stripe-go/v82/webhook"
+)
+
+func TestJSONPointer(t *testing.T) {
+	for _, tc := range []struct {
+		ptr, body, want string
+		err             error
+	}{
+		{"/id", `{"id":"evt_123456789","object":"event"}`, "evt_123456789", nil},
+		{"/id", `{"object":"event","data":{"id":"x"},"id":"evt_123456789"}`, "evt_123456789", nil},
+		{"/data/object/id", `{"data":{"object":{"id":"pi_123456789"}}}`, "pi_123456789", nil},
+		{"/a~1b/m~0n", `{"a/b":{"m~n":"escaped-key"}}`, "escaped-key", nil},
+		{"/list/1", `{"list":["first-one","second-one"]}`, "second-one", nil},
+		{"/n", `{"n":12345678.50}`, "12345678.50", nil}, // as written
+		{"/id", `{"id":"evt_1", "id":"evt_2"}`, "", errKeyJSONTwice},
+		{"/id", `{"object":"event"}`, "", errKeyJSONMissing},
+		{"/id", `not json`, "", errKeyJSONMissing},
+		{"/id", `{"id":"evt_1"} trailing`, "", errKeyJSONMissing},
+		{"/id", `{"id":"evt_1"`, "", errKeyJSONMissing},
+		{"/list/2", `{"list":["a","b"]}`, "", errKeyJSONMissing},
+		{"/list/01", `{"list":["a","b"]}`, "", errKeyJSONMissing},
+		{"/list/-", `{"list":["a","b"]}`, "", errKeyJSONMissing},
+		{"/id", `["evt_1"]`, "", errKeyJSONMissing},
+		{"/id", `{"id":{"v":"evt_123456789"}}`, "", errKeyJSONType},
+		{"/id", `{"id":true}`, "", errKeyJSONType},
+		{"/id", `{"id":null}`, "", errKeyJSONType},
+	} {
+		ptr, err := parseJSONPointer(tc.ptr)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.ptr, err)
+		}
+		got, err := jsonPointerValue([]byte(tc.body), ptr)
+		if got != tc.want || err != tc.err {
+			t.Errorf("%s in %s = %q, %v; want %q, %v", tc.ptr, tc.body, got, err, tc.want, tc.err)
+		}
+	}
+	for _, bad := range []string{"", "id", "/a~", "/a~2", "#/id"} {
+		if _, err := parseJSONPointer(bad); err == nil {
+			t.Errorf("pointer %q accepted", bad)
+		}
+	}
+}
+
+// Each refusal, from a Caddyfile and from JSON, names what conflicts.
+func TestWebhookConfigRefusals(t *testing.T) {
+	for _, tc := range []struct {
+		name, block string
+		h           Handler
+		want        []string
+	}{
+		{"scope with credential", "scope stripe\n\t\tcredential {http.auth.user.id}",
+			Handler{Scope: "stripe", Credential: "{http.auth.user.id}"}, []string{"scope", "credential"}},
+		{"scope with credential_header", "scope stripe\n\t\tcredential_header X-Api-Key",
+			Handler{Scope: "stripe", CredentialHeader: "X-Api-Key"}, []string{"scope", "credential_header"}},
+		{"key_json with key_header", "key_json /id\n\t\tkey_header webhook-id",
+			Handler{KeyJSON: "/id", KeyHeader: "webhook-id"}, []string{"key_json", "key_header"}},
+		{"bad pointer", "key_json id", Handler{KeyJSON: "id"}, []string{"key_json", "RFC 6901"}},
+		{"bad escape", "key_json /a~2", Handler{KeyJSON: "/a~2"}, []string{"key_json", "RFC 6901"}},
+		{"bad status", "store_status 2xx 600", Handler{StoreStatus: []string{"2xx", "600"}}, []string{"store_status", "600"}},
+		{"bad class", "store_status 2XXX", Handler{StoreStatus: []string{"2XXX"}}, []string{"store_status"}},
+	} {
+		t.Run("Caddyfile "+tc.name, func(t *testing.T) {
+			cfg := fmt.Sprintf("http://127.0.0.1:8080 {\n\tidempotency {\n\t\t%s\n\t}\n\treverse_proxy 127.0.0.1:9\n}\n", tc.block)
+			_, _, err := adaptCaddyfile(cfg)
+			if err == nil {
+				t.Fatalf("accepted:\n%s", cfg)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error does not name %s: %v", w, err)
+				}
+			}
+		})
+		t.Run("JSON "+tc.name, func(t *testing.T) {
+			h := tc.h
+			err := provisionAndValidate(t, &h)
+			if err == nil {
+				t.Fatalf("accepted: %+v", tc.h)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error does not name %s: %v", w, err)
+				}
+			}
+		})
+	}
+	// What the refusals must not catch: the JSON names, and a scope with
+	// a key header of its own.
+	var h Handler
+	if err := json.Unmarshal([]byte(`{"scope":"stripe","key_json":"/id","store_status":["2xx","409"]}`), &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := provisionAndValidate(t, &h); err != nil {
+		t.Errorf("webhook JSON config refused: %v", err)
+	}
+	if !h.storeStatus.stores(204) || !h.storeStatus.stores(409) || h.storeStatus.stores(500) || h.storeStatus.stores(502) {
+		t.Errorf("store_status [2xx 409] stores the wrong statuses")
+	}
+	h = Handler{Scope: "github", KeyHeader: "X-GitHub-Delivery"}
+	if err := provisionAndValidate(t, &h); err != nil {
+		t.Errorf("scope with key_header refused: %v", err)
+	}
+}
+
+// A scope's hash is keyed by the secret and never a credential's: not
+// even the credential whose value is the scope's name.
+func TestScopeHash(t *testing.T) {
+	c := newCredentialHasher([]byte(strings.Repeat("s", 32)))
+	other := newCredentialHasher([]byte(strings.Repeat("t", 32)))
+	if scopeHash(c, "stripe") == c.hash("stripe") || scopeHash(c, "stripe") == c.hash(scopeKeyLabel+"stripe") {
+		t.Error("a scope hashes like a credential")
+	}
+	if scopeHash(c, "stripe") == scopeHash(other, "stripe") || scopeHash(c, "stripe") == scopeHash(c, "github") {
+		t.Error("scope hashes do not depend on the secret and the name")
+	}
+}
+
+// stripeReceiver is a webhook endpoint as Stripe's docs write one: it
+// verifies each delivery with webhook.ConstructEvent, and counts the
+// events it processed. failFirst fails the first n deliveries of an
+// event with 500.
+type stripeReceiver struct {
+	secret string
+	mu     sync.Mutex
+	counts map[string]int
+	fail   map[string]int
+	// unverified counts deliveries whose signature did not verify: a
+	// body changed by one byte.
+	unverified int
+	gate       chan struct{} // if set, each delivery waits for it to close
+	*httptest.Server
+}
+
+func newStripeReceiver(t *testing.T) *stripeReceiver {
+	rc := &stripeReceiver{secret: "whsec_" + randomHex(16), counts: map[string]int{}, fail: map[string]int{}}
+	rc.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		ev, err := webhook.ConstructEvent(body, r.Header.Get("Stripe-Signature"), rc.secret)
+		rc.mu.Lock()
+		if err != nil {
+			rc.unverified++
+			rc.mu.Unlock()
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		rc.counts[ev.ID]++
+		n := rc.counts[ev.ID]
+		failing := rc.fail[ev.ID] >= n
+		gate := rc.gate
+		rc.mu.Unlock()
+		if gate != nil {
+			<-gate
+		}
+		if failing {
+			http.Error(w, "database unavailable", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"received":%q,"delivery":%d}`, ev.ID, n)
+	}))
+	t.Cleanup(rc.Close)
+	return rc
+}
+
+func (rc *stripeReceiver) count(id string) int {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	return rc.counts[id]
+}
+
+// stripeEvent is an event body as Stripe sends one.
+func stripeEvent(id string) []byte {
+	return fmt.Appendf(nil, `{"id":%q,"object":"event","api_version":%q,"created":%d,"type":"payment_intent.succeeded","data":{"object":{"id":"pi_%s","object":"payment_intent","amount":2000}}}`,
+		id, stripe.APIVersion, time.Now().Unix(), randomHex(6))
+}
+
+// deliver sends an event as Stripe does: signed anew for each delivery,
+// with the delivery's own timestamp.
+func (rc *stripeReceiver) deliver(t testing.TB, s *site, body []byte, at time.Time) reply {
+	t.Helper()
+	signed := webhook.GenerateTestSignedPayload(&webhook.UnsignedPayload{Payload: body, Secret: rc.secret, Timestamp: at})
+	return s.Do(t, call{Path: "/webhooks/stripe", Cred: noCred, Body: body,
+		Header: map[string]string{"Stripe-Signature": signed.Header}})
+}
+
+func stripeSite(t *testing.T, sb storeBackend, upstream string, extra string) *site {
+	port := freeTCPPort(t)
+	return siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency /webhooks/stripe* {
+		%s
+		scope        stripe
+		key_json     /id
+		store_status 2xx
+		%s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), extra, strings.TrimPrefix(upstream, "http://")))
+}
+
+func TestStripeWebhook(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		rc := newStripeReceiver(t)
+		s := stripeSite(t, sb, rc.URL, "")
+		start := time.Now()
+
+		t.Run("delivered three times, processed once", func(t *testing.T) {
+			id := "evt_" + randomHex(12)
+			body := stripeEvent(id)
+			first := rc.deliver(t, s, body, start)
+			if first.Status != http.StatusOK || first.replayed() {
+				t.Fatalf("first delivery: %s", first)
+			}
+			for i := 1; i <= 2; i++ {
+				again := rc.deliver(t, s, body, start.Add(time.Duration(i)*time.Minute))
+				wantReplayOf(t, again, first)
+			}
+			if n := rc.count(id); n != 1 {
+				t.Errorf("event processed %d times, want 1", n)
+			}
+			t.Logf("%s: 3 deliveries, %d processed, 2 replayed", sb.Name, rc.count(id))
+		})
+
+		t.Run("failed twice, reached three times, then replayed", func(t *testing.T) {
+			id := "evt_" + randomHex(12)
+			rc.mu.Lock()
+			rc.fail[id] = 2
+			rc.mu.Unlock()
+			body := stripeEvent(id)
+			for i := range 2 {
+				r := rc.deliver(t, s, body, start.Add(time.Duration(i)*time.Minute))
+				if r.Status != http.StatusInternalServerError || r.replayed() {
+					t.Fatalf("delivery %d: %s, want the upstream's 500, not stored", i+1, r)
+				}
+			}
+			third := rc.deliver(t, s, body, start.Add(3*time.Minute))
+			if third.Status != http.StatusOK || third.replayed() {
+				t.Fatalf("third delivery: %s", third)
+			}
+			fourth := rc.deliver(t, s, body, start.Add(4*time.Minute))
+			wantReplayOf(t, fourth, third)
+			if n := rc.count(id); n != 3 {
+				t.Errorf("event reached the upstream %d times, want 3", n)
+			}
+			t.Logf("%s: 4 deliveries, %d reached the upstream (2 failed, released), 1 replayed", sb.Name, rc.count(id))
+			released := 0
+			for _, l := range s.moduleLogLines(t) {
+				if l["msg"] == "idempotency.release" && l["key"] == id {
+					if l["status"] != float64(500) {
+						t.Errorf("release line without the status: %v", l)
+					}
+					released++
+				}
+			}
+			if released != 2 {
+				t.Errorf("%d release lines for the event, want 2", released)
+			}
+		})
+
+		t.Run("12 concurrent deliveries, processed once", func(t *testing.T) {
+			id := "evt_" + randomHex(12)
+			body := stripeEvent(id)
+			gate := make(chan struct{})
+			rc.mu.Lock()
+			rc.gate = gate
+			rc.mu.Unlock()
+			replies := make(chan reply, 12)
+			var wg sync.WaitGroup
+			for i := range 12 {
+				wg.Go(func() { replies <- rc.deliver(t, s, body, start.Add(time.Duration(i)*time.Second)) })
+			}
+			waitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
+			// The others get 409 while the first runs.
+			waitFor(t, 10*time.Second, "11 deliveries refused as in progress", func() bool { return len(replies) == 11 })
+			close(gate)
+			wg.Wait()
+			close(replies)
+			rc.mu.Lock()
+			rc.gate = nil
+			rc.mu.Unlock()
+			ok, inProgress := 0, 0
+			for r := range replies {
+				switch r.Status {
+				case http.StatusOK:
+					ok++
+				case http.StatusConflict:
+					wantRetryAfter(t, r)
+					inProgress++
+				default:
+					t.Errorf("concurrent delivery: %s", r)
+				}
+			}
+			if ok != 1 || inProgress != 11 {
+				t.Errorf("%d processed and %d in progress, want 1 and 11", ok, inProgress)
+			}
+			// The sender's retry of a 409 gets the stored answer.
+			if r := rc.deliver(t, s, body, start.Add(time.Minute)); r.Status != http.StatusOK || !r.replayed() {
+				t.Errorf("retry after 409: %s, want a replay", r)
+			}
+			if n := rc.count(id); n != 1 {
+				t.Errorf("event processed %d times, want 1", n)
+			}
+			t.Logf("%s: 12 concurrent deliveries and a retry, %d processed", sb.Name, rc.count(id))
+		})
+
+		t.Run("event without id", func(t *testing.T) {
+			body := []byte(fmt.Sprintf(`{"object":"event","api_version":%q}`, stripe.APIVersion))
+			p := wantProblem(t, rc.deliver(t, s, body, start), http.StatusBadRequest)
+			if !strings.HasSuffix(p.Type, "#key-missing") || !strings.Contains(p.Detail, "/id") {
+				t.Errorf("problem %+v, want #key-missing naming /id", p)
+			}
+			body = []byte(`{"id":{"nested":"evt_123456789"}}`)
+			p = wantProblem(t, rc.deliver(t, s, body, start), http.StatusBadRequest)
+			if !strings.HasSuffix(p.Type, "#key-malformed") {
+				t.Errorf("problem %+v, want #key-malformed", p)
+			}
+			body = []byte(`{"id":"evt_1"}`) // shorter than 8
+			p = wantProblem(t, rc.deliver(t, s, body, start), http.StatusBadRequest)
+			if !strings.HasSuffix(p.Type, "#key-malformed") {
+				t.Errorf("problem %+v, want #key-malformed", p)
+			}
+		})
+		rc.mu.Lock()
+		defer rc.mu.Unlock()
+		if rc.unverified != 0 {
+			t.Errorf("%d deliveries reached the upstream changed: their signatures did not verify", rc.unverified)
+		}
+	})
+}
+
+// Two senders on one table: the same key string under two scopes is two
+// events, each executed once.
+func TestWebhookScopesShareATable(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		rc := newStripeReceiver(t)
+		up := newUpstream(t)
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency /webhooks/stripe* {
+		%s
+		scope        stripe
+		key_json     /id
+		store_status 2xx
+	}
+	idempotency /webhooks/standard* {
+		%s
+		scope        standard
+		key_header   webhook-id
+		store_status 2xx
+	}
+	handle /webhooks/stripe* {
+		reverse_proxy %s
+	}
+	reverse_proxy %s
+}
+`, port, sb.Block(), sb.Block(), strings.TrimPrefix(rc.URL, "http://"), up.Addr()))
+		id := "evt_" + randomHex(12)
+		event := stripeEvent(id)
+		for i := range 2 {
+			if r := rc.deliver(t, s, event, time.Now()); r.Status != http.StatusOK || r.replayed() != (i == 1) {
+				t.Errorf("Stripe delivery %d: %s", i+1, r)
+			}
+			// Standard Webhooks: a new signature on each attempt.
+			r := s.Do(t, call{Path: "/webhooks/standard", Key: id, KeyHeader: "webhook-id", Cred: noCred, Body: []byte(`{"type":"user.created"}`),
+				Header: map[string]string{"webhook-timestamp": fmt.Sprint(time.Now().Unix() + int64(i)), "webhook-signature": "v1," + randomHex(16)}})
+			if r.Status != http.StatusCreated || r.replayed() != (i == 1) {
+				t.Errorf("Standard Webhooks delivery %d: %s", i+1, r)
+			}
+		}
+		if n := rc.count(id); n != 1 {
+			t.Errorf("Stripe event processed %d times, want 1", n)
+		}
+		wantCount(t, up, 1)
+		if sb.Name == "postgres" {
+			if n := pgCount(t, sb); n != 2 {
+				t.Errorf("%d records, want 2: one per scope", n)
+			}
+		}
+	})
+}
