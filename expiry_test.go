@@ -43,7 +43,11 @@ func testNeverAnswersExpired(t *testing.T, stores []Store) {
 	expiries := make([]time.Time, keys)
 	for i := range reqs {
 		req := testAcquireRequest("cred", fmt.Sprintf("expiry-key-%03d", i), "body")
-		req.LockTimeout, req.Retention = 300*time.Millisecond, 600*time.Millisecond
+		// The lease outlasts any stall of a loaded machine between a
+		// re-execution's acquire and its completion: a takeover of a
+		// lease that ran out would be a second execution this test
+		// does not count on.
+		req.LockTimeout, req.Retention = 30*time.Second, 600*time.Millisecond
 		if res, err := stores[0].Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
