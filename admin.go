@@ -34,12 +34,20 @@ func init() {
 	caddy.RegisterModule(adminAPI{})
 }
 
-// Bounds of a listing.
+// Bounds of a listing. A listing with bodies holds each record's
+// response in memory several times over (the store's copy, the record,
+// base64 in the JSON answer), so it lists fewer records, and one such
+// listing runs at a time (bodyListings): an admin client, even one
+// granted only reads of /idempotency/, cannot make Caddy hold more than
+// adminMaxBodyLimit responses for it.
 const (
 	adminDefaultLimit = 100
 	adminMaxLimit     = 1000
+	adminMaxBodyLimit = 10
 	adminTimeout      = 30 * time.Second
 )
+
+var bodyListings sync.Mutex
 
 // storeUser is a provisioned handler and the store it uses, as the admin
 // API finds them.
@@ -311,11 +319,18 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 			}
 		}
 	}
+	maxLimit, defLimit := adminMaxLimit, adminDefaultLimit
+	if sel.Body {
+		maxLimit, defLimit = adminMaxBodyLimit, adminMaxBodyLimit
+	}
 	switch {
-	case sel.Limit < 0 || sel.Limit > adminMaxLimit:
-		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("limit must be 1 to %d", adminMaxLimit))
+	case sel.Limit < 0 || sel.Limit > maxLimit:
+		if sel.Body {
+			return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("with body, limit must be 1 to %d: each record's response is held in memory", maxLimit))
+		}
+		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("limit must be 1 to %d", maxLimit))
 	case sel.Limit == 0:
-		f.limit = adminDefaultLimit
+		f.limit = defLimit
 	default:
 		f.limit = sel.Limit
 	}
@@ -330,6 +345,10 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 	store, f, err := sel.resolve(ctx)
 	if err != nil {
 		return err
+	}
+	if f.withResponse {
+		bodyListings.Lock()
+		defer bodyListings.Unlock()
 	}
 	f.limit++ // one more, to tell whether the list is cut
 	recs, err := store.users[0].store.inspectRecords(ctx, f)

@@ -168,6 +168,13 @@ func TestAdminAPIRecords(t *testing.T) {
 			t.Fatalf("shown with body=1: %+v, want body %q", recs, first.Body)
 		}
 
+		// With bodies, a listing is short: each response is held in
+		// memory.
+		if status, out := admin.do(http.MethodGet, "/idempotency/records?body=1&limit=11&key="+k1, nil); status != http.StatusBadRequest ||
+			!bytes.Contains(out, []byte("with body, limit must be 1 to 10")) {
+			t.Errorf("body=1&limit=11: %d %s, want 400 naming the limit with bodies", status, out)
+		}
+
 		// By the raw credential, in a POST body only.
 		recs = admin.records(nil, map[string]any{"store": name, "key": k1, "credential": defaultCred})
 		if len(recs.Records) != 1 || recs.Records[0].CredentialHash != rec.CredentialHash {
