@@ -70,7 +70,7 @@ Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 		CobraFunc: func(cmd *cobra.Command) {
 			pf := cmd.PersistentFlags()
 			pf.String("dsn", "", "Postgres connection string (default $IDEMPOTENCY_DSN, then $DATABASE_URL)")
-			pf.String("table", defaultTable, "the store's table, as its table option; with --config, chooses among the config's stores")
+			pf.String("table", defaultTable, "the store's table, as its table option; with --config, chooses among the config's stores (table@host:port/database where two have one name)")
 			pf.String("config", "", "the config file that Caddy runs: its postgres store gives the dsn, table and credential_secret")
 			pf.String("adapter", "", "the adapter of --config, as for caddy run (default: caddyfile for a file named Caddyfile* or *.caddyfile, else JSON)")
 			cmd.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
@@ -398,13 +398,15 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 			return nil, exitUsage, err
 		}
 	}
-	table, err := parseTableName(fl.String("table"))
-	if err != nil {
-		return nil, exitUsage, fmt.Errorf("--table: %v", err)
-	}
+	var table tableName
 	dsn := fl.String("dsn")
 	if config != nil {
 		dsn, table = config.dsn, config.table
+	} else {
+		var err error
+		if table, err = parseTableName(fl.String("table")); err != nil {
+			return nil, exitUsage, fmt.Errorf("--table: %v", err)
+		}
 	}
 	for _, env := range []string{"IDEMPOTENCY_DSN", "DATABASE_URL"} {
 		if dsn == "" {

@@ -98,11 +98,16 @@ func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
 
 	all := stores
 	if fl.Changed("table") {
-		want, err := parseTableName(fl.String("table"))
+		// table@host:port/db tells apart tables of one name in two
+		// databases, as the admin API names their stores.
+		name, where, at := strings.Cut(fl.String("table"), "@")
+		want, err := parseTableName(name)
 		if err != nil {
 			return nil, fmt.Errorf("--table: %v", err)
 		}
-		stores = slices.DeleteFunc(slices.Clone(stores), func(s *cliConfigStore) bool { return s.table != want })
+		stores = slices.DeleteFunc(slices.Clone(stores), func(s *cliConfigStore) bool {
+			return s.table != want || at && describeDSN(s.dsn) != where
+		})
 	}
 	if len(stores) == 1 {
 		return stores[0], nil
@@ -111,13 +116,22 @@ func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
 	for i, s := range all {
 		names[i] = fmt.Sprintf("table %s in %s", s.table, describeDSN(s.dsn))
 	}
+	choose := "choose one with --table"
+	for i := 1; i < len(stores); i++ {
+		// Sorted by table: neighbours of one name are told apart by
+		// their database only.
+		if stores[i].table == stores[i-1].table {
+			choose = "choose one with --table <table>, or --table <table>@<host:port/database> where two tables have one name"
+			break
+		}
+	}
 	switch {
 	case len(all) == 0:
 		return nil, fmt.Errorf("--config %s has no idempotency handler with a postgres store", fl.String("config"))
 	case len(stores) == 0:
 		return nil, fmt.Errorf("--config %s has no postgres store with table %s: it has %s", fl.String("config"), fl.String("table"), strings.Join(names, "; "))
 	}
-	return nil, fmt.Errorf("--config %s has %d postgres stores (%s): choose one with --table", fl.String("config"), len(stores), strings.Join(names, "; "))
+	return nil, fmt.Errorf("--config %s has %d postgres stores (%s): %s", fl.String("config"), len(stores), strings.Join(names, "; "), choose)
 }
 
 // addConfigStore adds the Postgres store of handler h, a handler's JSON

@@ -2,11 +2,15 @@ package idempotency
 
 import (
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // `--config`: the CLI takes the DSN ({env.X} resolved), the table and
@@ -65,6 +69,23 @@ func TestCLIConfig(t *testing.T) {
 		exitUsage, "no postgres store with table nonesuch")
 	wantCLI(t, runCLI(t, env, "migrate", "--config", two, "--table", other), exitOK, other+": applied")
 	wantCLI(t, runCLI(t, env, "prune", "--config", two, "--table", other), exitOK, other+": pruned 0")
+
+	// Two tables of one name, in two databases: the database chooses.
+	// The other database's store is never connected to.
+	pc, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	otherDB := fmt.Sprintf("postgres://%s@%s/postgres?sslmode=disable", pc.User, net.JoinHostPort(pc.Host, strconv.Itoa(int(pc.Port))))
+	same := filepath.Join(dir, "same.caddyfile")
+	if err := os.WriteFile(same, []byte(site(1, sb.Table)+strings.Replace(site(2, sb.Table), "TEST_IDEMPOTENCY_DSN", "TEST_OTHER_DSN", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sameEnv := append(env, "TEST_OTHER_DSN="+otherDB)
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", sameEnv, append([]string{"inspect", "--config", same, "--table", sb.Table}, target...)...),
+		exitUsage, "2 postgres stores", "--table <table>@<host:port/database>")
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", sameEnv, append([]string{"inspect", "--config", same, "--table", sb.Table + "@" + describeDSN(dsn)}, target...)...),
+		exitOK, "status:           completed")
 
 	// Without the environment variable, the DSN is empty: said, not tried.
 	wantCLI(t, runCLIInput(t, defaultCred+"\n", nil, append([]string{"inspect", "--config", one}, target...)...),
