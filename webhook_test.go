@@ -345,52 +345,63 @@ func TestStripeWebhook(t *testing.T) {
 	})
 }
 
-// Two senders on one table: the same key string under two scopes is two
-// events, each executed once.
+// The README's senders on one table: Stripe (key in the body) and three
+// that send it in a header, each delivery with a new signature. The same
+// key string under each scope is another event, executed once.
 func TestWebhookScopesShareATable(t *testing.T) {
+	headerSenders := []struct{ scope, keyHeader, sigHeader string }{
+		{"github", "X-GitHub-Delivery", "X-Hub-Signature-256"},
+		{"shopify", "X-Shopify-Event-Id", "X-Shopify-Hmac-Sha256"},
+		{"standard", "webhook-id", "webhook-signature"},
+	}
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		rc := newStripeReceiver(t)
 		up := newUpstream(t)
 		port := freeTCPPort(t)
+		var routes strings.Builder
+		for _, hs := range headerSenders {
+			fmt.Fprintf(&routes, `
+	idempotency /webhooks/%s* {
+		%s
+		scope        %s
+		key_header   %s
+		store_status 2xx
+	}`, hs.scope, sb.Block(), hs.scope, hs.keyHeader)
+		}
 		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency /webhooks/stripe* {
 		%s
 		scope        stripe
 		key_json     /id
 		store_status 2xx
-	}
-	idempotency /webhooks/standard* {
-		%s
-		scope        standard
-		key_header   webhook-id
-		store_status 2xx
-	}
+	}%s
 	handle /webhooks/stripe* {
 		reverse_proxy %s
 	}
 	reverse_proxy %s
 }
-`, port, sb.Block(), sb.Block(), strings.TrimPrefix(rc.URL, "http://"), up.Addr()))
+`, port, sb.Block(), routes.String(), strings.TrimPrefix(rc.URL, "http://"), up.Addr()))
 		id := "evt_" + randomHex(12)
 		event := stripeEvent(id)
 		for i := range 2 {
 			if r := rc.deliver(t, s, event, time.Now()); r.Status != http.StatusOK || r.replayed() != (i == 1) {
 				t.Errorf("Stripe delivery %d: %s", i+1, r)
 			}
-			// Standard Webhooks: a new signature on each attempt.
-			r := s.Do(t, call{Path: "/webhooks/standard", Key: id, KeyHeader: "webhook-id", Cred: noCred, Body: []byte(`{"type":"user.created"}`),
-				Header: map[string]string{"webhook-timestamp": fmt.Sprint(time.Now().Unix() + int64(i)), "webhook-signature": "v1," + randomHex(16)}})
-			if r.Status != http.StatusCreated || r.replayed() != (i == 1) {
-				t.Errorf("Standard Webhooks delivery %d: %s", i+1, r)
+			for _, hs := range headerSenders {
+				r := s.Do(t, call{Path: "/webhooks/" + hs.scope, Key: id, KeyHeader: hs.keyHeader, Cred: noCred,
+					Body: []byte(`{"type":"order.created"}`), Header: map[string]string{hs.sigHeader: "v1," + randomHex(16)}})
+				if r.Status != http.StatusCreated || r.replayed() != (i == 1) {
+					t.Errorf("%s delivery %d: %s", hs.scope, i+1, r)
+				}
 			}
 		}
 		if n := rc.count(id); n != 1 {
 			t.Errorf("Stripe event processed %d times, want 1", n)
 		}
-		wantCount(t, up, 1)
+		wantCount(t, up, len(headerSenders))
 		if sb.Name == "postgres" {
-			if n := pgCount(t, sb); n != 2 {
-				t.Errorf("%d records, want 2: one per scope", n)
+			if n := pgCount(t, sb); n != 1+len(headerSenders) {
+				t.Errorf("%d records, want %d: one per scope", n, 1+len(headerSenders))
 			}
 		}
 	})
