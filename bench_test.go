@@ -283,6 +283,9 @@ func BenchmarkFirstExecution(b *testing.B) {
 // benchMemoryStore is the memory store, unprovisioned: see newReplayBench.
 type benchMemoryStore struct{ Store }
 
+// The memory store, as production provisions it (storeCall).
+func (benchMemoryStore) inProcess() {}
+
 func (benchMemoryStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID: "http.handlers.idempotency.stores.bench_memory",

@@ -234,13 +234,27 @@ func nothingExecuted(err error, proxied bool) bool {
 	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
 }
 
+// inProcessStore is a store whose calls return without I/O, so that
+// nothing can leave them waiting: the memory store.
+type inProcessStore interface{ inProcess() }
+
+// storeCall gives a store call its context, bounded by timeout. The
+// memory store only takes a mutex: a bound would cost it a timer per
+// call (a third of its Complete) and could never fire.
+func (h *Handler) storeCall(parent context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	if h.inProcess {
+		return parent, func() {}
+	}
+	return context.WithTimeout(parent, timeout)
+}
+
 // attemptTimeout bounds one attempt to complete a record: the store
 // timeout, or half a renewal interval if that is shorter (complete).
 func (h *Handler) attemptTimeout() time.Duration { return min(storeTimeout, h.renewInterval()/2) }
 
 // renew dates the lock anew, in one bounded round trip.
 func (h *Handler) renew(rk RecordKey, token LockToken) error {
-	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
 	defer cancel()
 	return h.store.Renew(ctx, rk, token)
 }
@@ -272,7 +286,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 	degraded := false
 	deadline := time.Now().Add(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		ctx, cancel := context.WithTimeout(context.Background(), h.attemptTimeout())
+		ctx, cancel := h.storeCall(context.Background(), h.attemptTimeout())
 		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
 		cancel()
 		if errors.Is(err, ErrUnstorable) && !degraded {
@@ -298,7 +312,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 // reports false if the store failed: the record is then still in
 // progress, until its lock goes stale.
 func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
-	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
 	defer cancel()
 	switch err := h.store.Release(ctx, q.rk, q.token); {
 	case errors.Is(err, ErrLockLost):

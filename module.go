@@ -217,6 +217,7 @@ type Handler struct {
 
 	store     Store
 	cache     *replayCache
+	inProcess bool   // the store does no I/O (storeCall)
 	records   string // the name of the records the store holds (recordsOf)
 	waiter    Waiter
 	methods   map[string]struct{}
@@ -319,6 +320,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
+	_, h.inProcess = mod.(inProcessStore)
 	if err := h.provisionMetrics(ctx); err != nil {
 		return err
 	}
@@ -731,7 +733,7 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) 
 	// every retry would get 409 until lock_timeout. A request that
 	// acquires after its client left executes and is stored for the
 	// retry, as step 7 has it.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	ctx, cancel := h.storeCall(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
 	res, err := h.store.Acquire(ctx, req)
 	if err == nil && res.Outcome == OutcomeTakenOver {

@@ -176,7 +176,7 @@ func (r *lockKeeper) renew(due []*keptLock) {
 	for i, l := range due {
 		locks[i] = l.lock
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+	ctx, cancel := r.h.storeCall(context.Background(), storeTimeout)
 	dated := time.Now() // the locks renewed, as the store dates them
 	errs := renewLocks(ctx, r.h.store, locks)
 	cancel()
