@@ -284,7 +284,7 @@ func BenchmarkFirstExecution(b *testing.B) {
 type benchMemoryStore struct{ Store }
 
 // The memory store, as production provisions it (storeCall).
-func (benchMemoryStore) inProcess() {}
+func (benchMemoryStore) InProcess() {}
 
 func (benchMemoryStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{

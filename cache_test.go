@@ -455,6 +455,11 @@ func TestReplayCacheProvision(t *testing.T) {
 			if err := h.Validate(); err != nil {
 				t.Fatal(err)
 			}
+			// Found through the wrappers, the cache or none: the memory
+			// store's calls go without a timer.
+			if h.inProcess != (tc.backend == "memory") {
+				t.Errorf("inProcess = %v with the %s store", h.inProcess, tc.backend)
+			}
 			rc, ok := h.store.(*replayCache)
 			if tc.wantCache == 0 {
 				if ok {

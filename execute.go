@@ -234,13 +234,9 @@ func nothingExecuted(err error, proxied bool) bool {
 	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
 }
 
-// inProcessStore is a store whose calls return without I/O, so that
-// nothing can leave them waiting: the memory store.
-type inProcessStore interface{ inProcess() }
-
-// storeCall gives a store call its context, bounded by timeout. The
-// memory store only takes a mutex: a bound would cost it a timer per
-// call (a third of its Complete) and could never fire.
+// storeCall gives a store call its context, bounded by timeout. An
+// InProcess store only takes a mutex: a bound would cost it a timer per
+// call (a third of the memory store's Complete) and could never fire.
 func (h *Handler) storeCall(parent context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
 	if h.inProcess {
 		return parent, func() {}

@@ -98,8 +98,6 @@ func (m *MemoryStore) Cleanup() error {
 	return err
 }
 
-func (*MemoryStore) inProcess() {}
-
 // Acquire implements Store.
 func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
 	if err := ctx.Err(); err != nil {

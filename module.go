@@ -320,7 +320,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading idempotency store: %v", err)
 	}
-	_, h.inProcess = mod.(inProcessStore)
 	if err := h.provisionMetrics(ctx); err != nil {
 		return err
 	}
@@ -329,6 +328,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.ReplayCache = &size
 	}
 	h.store, h.cache = wrapStore(mod.(Store), newStoreMetrics(h.metrics.server), *h.ReplayCache)
+	_, h.inProcess = storeAs[InProcess](h.store)
 	h.records = recordsOf(h.store)
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)

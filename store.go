@@ -119,7 +119,8 @@ type RecordSet interface {
 
 // InProcess is implemented by stores that keep their records in this
 // process's memory: the replay cache in front of one does not copy the
-// responses that its handler completes, which the store holds already.
+// responses that its handler completes, which the store holds already,
+// and its calls, which do no I/O, are given no timeout.
 type InProcess interface {
 	InProcess()
 }
