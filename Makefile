@@ -81,3 +81,15 @@ failover:
 	go test -race -count=5 -run '^TestFailover$$' -v .
 	IDEMPOTENCY_FAILOVER_ASYNC=1 go test -race -count=2 -run '^TestFailover$$' -v .
 	IDEMPOTENCY_FAILOVER_ASYNC=1 IDEMPOTENCY_FAILOVER_LAG=1s go test -race -count=2 -run '^TestFailover$$' -v .
+
+# The Patroni scenarios of docs/high-availability.md (build tag patroni):
+# a switchover and a crash, at Patroni's default timings and at fast ones,
+# each printing `<scenario>: N keys, E executed twice, L lost, recovery S s`.
+# IDEMPOTENCY_PATRONI=crash-fast (comma-separated) runs some of them;
+# PATRONI_COUNT=3 runs each three times.
+PATRONI_COUNT ?= 1
+.PHONY: failover-patroni
+failover-patroni: SHELL := /bin/bash
+failover-patroni:
+	set -o pipefail; go test -tags patroni -race -count=$(PATRONI_COUNT) -run '^TestPatroniFailover$$' -v -timeout 90m . \
+		| grep -E '^[a-z]+-[a-z]+: [0-9]+ keys|^(---|    ---|FAIL|ok)|_test.go:[0-9]+:'

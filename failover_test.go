@@ -17,6 +17,7 @@ package idempotency
 // holds the asynchronous standby that far behind the primary.
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -50,6 +51,8 @@ type failoverAttempt struct {
 	status     int
 	problem    string // the module's problem type, if it answered with one
 	replayed   bool
+	// retryAfter: the answer had a Retry-After header.
+	retryAfter bool
 	err        error
 }
 
@@ -87,6 +90,8 @@ type failoverRun struct {
 	// lock is the instances' lock_timeout; gap is how long there is no
 	// primary.
 	lock, gap time.Duration
+	// patience is how long a client sends a key before it gives up.
+	patience time.Duration
 }
 
 func TestFailover(t *testing.T) {
@@ -252,15 +257,17 @@ func (r *failoverRun) load(t *testing.T, clients int, slow []*failoverKey) {
 	wg.Wait()
 }
 
-// send sends a key until it gets a 2xx, or gives up after 30s.
+// send sends a key until it gets a 2xx, or gives up after r.patience
+// (30s if not set).
 func (r *failoverRun) send(ctx context.Context, k *failoverKey, inst int) (attempts []failoverAttempt) {
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(cmp.Or(r.patience, 30*time.Second))
 	for ctx.Err() == nil && time.Now().Before(deadline) {
 		a := failoverAttempt{sent: time.Now()}
 		rep, err := r.sites[inst].DoCtx(ctx, call{Key: k.key, Body: k.body, Header: k.header})
 		a.recv, a.err = time.Now(), err
 		if err == nil {
 			a.status, a.problem, a.replayed = rep.Status, problemType(rep), rep.replayed()
+			a.retryAfter = rep.Header.Get("Retry-After") != ""
 		}
 		attempts = append(attempts, a)
 		if a.ok() {
