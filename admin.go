@@ -53,7 +53,7 @@ var bodyListings sync.Mutex
 // API finds them.
 type storeUser struct {
 	h     *Handler
-	store inspector
+	store Inspector
 	// cache is the handler's replay cache, or nil.
 	cache *replayCache
 	// group is the same for every handler whose store holds the same
@@ -74,24 +74,30 @@ var runningStores struct {
 	users map[*Handler]storeUser
 }
 
-// servedStore is a store that the admin API serves: it can look into it
-// and release its records (inspector), and name it to an operator.
-type servedStore interface {
-	inspector
-	// adminName is the store as the admin API lists it: name (before
-	// disambiguation), backend, and for a table its name and database.
+// adminNamer names a store to an operator: name (before
+// disambiguation), backend, and for a table its name and database. A
+// store without it is named after its module.
+type adminNamer interface {
 	adminName() (name, backend, table, database string)
 }
 
-// registerStore makes h's store reachable through the admin API until
-// h's config is unloaded (Cleanup).
+// registerStore makes h's store, if it is an Inspector, reachable
+// through the admin API until h's config is unloaded (Cleanup).
 func (h *Handler) registerStore() {
-	s, ok := storeAs[servedStore](h.store)
+	s, ok := storeAs[Inspector](h.store)
 	if !ok {
 		return
 	}
 	u := storeUser{h: h, store: s, cache: h.cache, group: h.records}
-	u.name, u.backend, u.table, u.database = s.adminName()
+	if n, ok := storeAs[adminNamer](h.store); ok {
+		u.name, u.backend, u.table, u.database = n.adminName()
+	} else {
+		u.name = fmt.Sprintf("%T", innermost(h.store))
+		if m, ok := innermost(h.store).(caddy.Module); ok {
+			u.name = m.CaddyModule().ID.Name()
+		}
+		u.backend = u.name
+	}
 	runningStores.Lock()
 	if runningStores.users == nil {
 		runningStores.users = make(map[*Handler]storeUser)
@@ -261,8 +267,8 @@ func parseAdminSelector(r *http.Request) (adminSelector, error) {
 }
 
 // resolve finds the store the selector names and turns it into a filter.
-func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter, error) {
-	var f recordFilter
+func (sel adminSelector) resolve(ctx context.Context) (*adminStore, RecordFilter, error) {
+	var f RecordFilter
 	stores := adminStores()
 	names := make([]string, len(stores))
 	for i, s := range stores {
@@ -292,9 +298,9 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 		if err != nil {
 			return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("key: %v", err))
 		}
-		f.key = key
+		f.Key = key
 	default:
-		f.keyPrefix = sel.KeyPrefix
+		f.KeyPrefix = sel.KeyPrefix
 	}
 	switch {
 	case sel.CredentialID != "" && sel.Credential != "":
@@ -304,7 +310,7 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 		if err != nil {
 			return nil, f, adminError(http.StatusBadRequest, err)
 		}
-		f.credPrefixes = [][]byte{prefix}
+		f.CredentialPrefixes = [][]byte{prefix}
 	case sel.Credential != "":
 		// Each handler hashes under its own credential_secret, or the
 		// store's: the credential is any of them.
@@ -314,8 +320,8 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
 			}
 			sum := hasher.hash(sel.Credential)
-			if !slices.ContainsFunc(f.credPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
-				f.credPrefixes = append(f.credPrefixes, sum[:])
+			if !slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
+				f.CredentialPrefixes = append(f.CredentialPrefixes, sum[:])
 			}
 		}
 	}
@@ -330,13 +336,13 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, recordFilter
 		}
 		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("limit must be 1 to %d", maxLimit))
 	case sel.Limit == 0:
-		f.limit = defLimit
+		f.Limit = defLimit
 	default:
-		f.limit = sel.Limit
+		f.Limit = sel.Limit
 	}
-	f.withResponse = sel.Body
+	f.WithResponse = sel.Body
 	for _, u := range store.users {
-		f.lockTimeout = max(f.lockTimeout, time.Duration(u.h.LockTimeout))
+		f.LockTimeout = max(f.LockTimeout, time.Duration(u.h.LockTimeout))
 	}
 	return store, f, nil
 }
@@ -346,26 +352,26 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 	if err != nil {
 		return err
 	}
-	if f.withResponse {
+	if f.WithResponse {
 		bodyListings.Lock()
 		defer bodyListings.Unlock()
 	}
-	f.limit++ // one more, to tell whether the list is cut
-	recs, err := store.users[0].store.inspectRecords(ctx, f)
+	f.Limit++ // one more, to tell whether the list is cut
+	recs, err := store.users[0].store.InspectRecords(ctx, f)
 	if err != nil {
 		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
 	}
-	f.limit--
+	f.Limit--
 	out := struct {
 		Store     string       `json:"store"`
 		Records   []recordJSON `json:"records"`
 		Truncated bool         `json:"truncated,omitempty"`
 	}{Store: store.Name, Records: []recordJSON{}}
-	if len(recs) > f.limit {
-		recs, out.Truncated = recs[:f.limit], true
+	if len(recs) > f.Limit {
+		recs, out.Truncated = recs[:f.Limit], true
 	}
 	for _, ir := range recs {
-		out.Records = append(out.Records, newRecordJSON(ir, f.withResponse))
+		out.Records = append(out.Records, newRecordJSON(ir, f.WithResponse))
 	}
 	return writeAdminJSON(w, out)
 }
@@ -390,22 +396,22 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 	}
 	rec, err := releaseRecord(ctx, store.users[0].store, f, sel.Force)
 	switch {
-	case errors.Is(err, errNoRecord):
-		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", store.Name, f.key))
+	case errors.Is(err, ErrNoRecord):
+		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", store.Name, f.Key))
 	case errors.Is(err, errAmbiguous):
-		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", store.Name, f.key))
+		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", store.Name, f.Key))
 	case errors.Is(err, errCompleted):
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (force deletes it, and the next request with the key executes again)", f.key, rec.rec.Status))
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (force deletes it, and the next request with the key executes again)", f.Key, rec.Record.Status))
 	case errors.Is(err, errLeaseLive):
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.key, rec.lockState()))
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.Key, rec.lockState()))
 	case errors.Is(err, errChanged):
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: look at it again", f.key))
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: look at it again", f.Key))
 	case err != nil:
 		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
 	}
 	for _, u := range store.users {
 		if u.cache != nil {
-			u.cache.evict(rec.key)
+			u.cache.evict(rec.Key)
 		}
 	}
 	return writeAdminJSON(w, struct {

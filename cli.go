@@ -189,7 +189,7 @@ record of the key whose credential hash starts with it is shown.`,
 			if err := db.hashCredential(ctx, &target); err != nil {
 				return exitError, err
 			}
-			recs, err := db.store.inspectRecords(ctx, db.filter(target))
+			recs, err := db.store.InspectRecords(ctx, db.filter(target))
 			if err != nil {
 				return exitError, db.explain(err)
 			}
@@ -448,48 +448,48 @@ func (db *cliDB) explain(err error) error {
 
 // filter selects the records of t, as the admin API selects them: by
 // the same implementation (inspect.go), the same rule judging a lease.
-func (db *cliDB) filter(t cliTarget) recordFilter {
+func (db *cliDB) filter(t cliTarget) RecordFilter {
 	lockTimeout := defaultLockTimeout
 	if db.config != nil {
 		lockTimeout = db.config.lockTimeout
 	}
-	return recordFilter{key: t.key, credPrefixes: [][]byte{t.prefix}, limit: cliListLimit, lockTimeout: lockTimeout}
+	return RecordFilter{Key: t.key, CredentialPrefixes: [][]byte{t.prefix}, Limit: cliListLimit, LockTimeout: lockTimeout}
 }
 
 // printRecord shows ir as inspect does, its ages by the database's clock.
-func printRecord(w io.Writer, ir inspectedRecord) {
-	ago := func(t time.Time) string { return ir.now.Sub(t).Round(time.Second).String() }
-	status := string(ir.rec.Status)
-	if ir.rec.Status == StatusInProgress {
+func printRecord(w io.Writer, ir InspectedRecord) {
+	ago := func(t time.Time) string { return ir.Now.Sub(t).Round(time.Second).String() }
+	status := string(ir.Record.Status)
+	if ir.Record.Status == StatusInProgress {
 		status += ", " + ir.lockState()
 	}
-	if ir.expired {
+	if ir.Expired {
 		status += " (expired: treated as absent, awaiting pruning)"
 	}
-	fmt.Fprintf(w, "key:              %s\n", ir.key.Key)
-	fmt.Fprintf(w, "credential id:    %s\n", credentialID(ir.key.CredentialHash))
-	fmt.Fprintf(w, "credential hash:  %x\n", ir.key.CredentialHash)
+	fmt.Fprintf(w, "key:              %s\n", ir.Key.Key)
+	fmt.Fprintf(w, "credential id:    %s\n", credentialID(ir.Key.CredentialHash))
+	fmt.Fprintf(w, "credential hash:  %x\n", ir.Key.CredentialHash)
 	fmt.Fprintf(w, "status:           %s\n", status)
-	fmt.Fprintf(w, "request:          %s %s\n", ir.rec.Method, ir.rec.Path)
-	fmt.Fprintf(w, "created:          %s (%s ago)\n", ir.rec.CreatedAt.Format(time.RFC3339), ago(ir.rec.CreatedAt))
-	fmt.Fprintf(w, "expires:          %s (in %s)\n", ir.rec.ExpiresAt.Format(time.RFC3339), ir.rec.TTL.Round(time.Second))
-	resp := ir.rec.Response
+	fmt.Fprintf(w, "request:          %s %s\n", ir.Record.Method, ir.Record.Path)
+	fmt.Fprintf(w, "created:          %s (%s ago)\n", ir.Record.CreatedAt.Format(time.RFC3339), ago(ir.Record.CreatedAt))
+	fmt.Fprintf(w, "expires:          %s (in %s)\n", ir.Record.ExpiresAt.Format(time.RFC3339), ir.Record.TTL.Round(time.Second))
+	resp := ir.Record.Response
 	if resp == nil {
 		fmt.Fprintf(w, "response:         none yet\n")
 		return
 	}
 	var body string
 	switch {
-	case resp.Replayable && ir.storedBody != nil:
-		body = fmt.Sprintf("%d bytes, stored: replayable", *ir.storedBody)
+	case resp.Replayable && ir.StoredBody != nil:
+		body = fmt.Sprintf("%d bytes, stored: replayable", *ir.StoredBody)
 	case resp.BodySize > 0:
 		body = fmt.Sprintf("%d bytes, too large to store: not replayable", resp.BodySize)
 	default:
 		body = "not stored: not replayable"
 	}
 	headers := 0
-	if ir.storedHeaders != nil {
-		headers = *ir.storedHeaders
+	if ir.StoredHeaders != nil {
+		headers = *ir.StoredHeaders
 	}
 	fmt.Fprintf(w, "response:         %d; body %s; headers %d bytes stored\n", resp.Status, body, headers)
 }
@@ -499,14 +499,14 @@ func printRecord(w io.Writer, ir inspectedRecord) {
 func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Writer) (int, error) {
 	rec, err := releaseRecord(ctx, db.store, db.filter(t), force)
 	switch {
-	case errors.Is(err, errNoRecord):
+	case errors.Is(err, ErrNoRecord):
 		return exitNotFound, t.notFound(db.table)
 	case errors.Is(err, errAmbiguous):
 		return exitError, fmt.Errorf("credential id %s matches several credentials with key %q; nothing deleted: pass a longer --credential-id (see inspect) or --credential",
 			t.id, t.key)
 	case errors.Is(err, errCompleted):
 		return exitError, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (--force deletes it, and the next request with the key executes again)",
-			t.key, rec.rec.Status)
+			t.key, rec.Record.Status)
 	case errors.Is(err, errLeaseLive):
 		return exitError, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (--force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)",
 			t.key, rec.lockState())
@@ -515,11 +515,11 @@ func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Wr
 	case err != nil:
 		return exitError, db.explain(err)
 	}
-	id := credentialID(rec.key.CredentialHash)
-	if rec.rec.Status == StatusInProgress {
+	id := credentialID(rec.Key.CredentialHash)
+	if rec.Record.Status == StatusInProgress {
 		fmt.Fprintf(out, "%s: key %q for credential id %s was in progress, %s\n", db.table, t.key, id, rec.lockState())
 	}
 	fmt.Fprintf(out, "%s: released key %q for credential id %s: deleted its %s record; the next request with this key executes\n",
-		db.table, t.key, id, rec.rec.Status)
+		db.table, t.key, id, rec.Record.Status)
 	return exitOK, nil
 }

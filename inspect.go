@@ -19,85 +19,72 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// recordFilter selects records: those whose credential hash starts with
-// one of credPrefixes (any credential if there are none) and whose key is
-// key, or starts with keyPrefix.
-type recordFilter struct {
-	credPrefixes [][]byte
-	key          string
-	keyPrefix    string
-	limit        int
-	// withResponse: read the stored headers and body too.
-	withResponse bool
-	// lockTimeout is the handlers' lock timeout, by which the lease of a
+// RecordFilter selects records for an Inspector: those whose credential
+// hash starts with one of CredentialPrefixes (any credential if there
+// are none) and whose key is Key, or starts with KeyPrefix, up to Limit.
+type RecordFilter struct {
+	CredentialPrefixes [][]byte
+	Key                string
+	KeyPrefix          string
+	Limit              int
+	// WithResponse: read the stored headers and body too.
+	WithResponse bool
+	// LockTimeout is the handlers' lock timeout, by which the lease of a
 	// record written before migration 0002 (which has no locked_until)
 	// is judged, as a retry judges it (leaseEndSQL).
-	lockTimeout time.Duration
+	LockTimeout time.Duration
 }
 
-func (f recordFilter) matches(rk RecordKey) bool {
+// Matches reports whether f selects the record of rk.
+func (f RecordFilter) Matches(rk RecordKey) bool {
 	switch {
-	case f.key != "" && rk.Key != f.key:
+	case f.Key != "" && rk.Key != f.Key:
 		return false
-	case f.keyPrefix != "" && !strings.HasPrefix(rk.Key, f.keyPrefix):
+	case f.KeyPrefix != "" && !strings.HasPrefix(rk.Key, f.KeyPrefix):
 		return false
-	case len(f.credPrefixes) == 0:
+	case len(f.CredentialPrefixes) == 0:
 		return true
 	}
-	return slices.ContainsFunc(f.credPrefixes, func(p []byte) bool {
+	return slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool {
 		return bytes.HasPrefix(rk.CredentialHash[:], p)
 	})
 }
 
-// inspectedRecord is a record as an operator sees it. Response is set
-// only when the filter asked for it.
-type inspectedRecord struct {
-	key     RecordKey
-	rec     Record
-	expired bool
-	// leaseEnded: in progress, and its owner is gone (leaseEndSQL).
-	leaseEnded bool
-	// now is the store's clock when the record was read, for ages.
-	now time.Time
-	// stored sizes, which a listing gives without reading the response.
-	storedBody, storedHeaders *int
+// InspectedRecord is a record as an operator sees it, as an Inspector
+// gives it. Record.Response is set only when the filter asked for it
+// (WithResponse).
+type InspectedRecord struct {
+	Key     RecordKey
+	Record  Record
+	Expired bool
+	// LeaseEnded: in progress, and its owner is gone (leaseEndSQL).
+	LeaseEnded bool
+	// Now is the store's clock when the record was read, for ages.
+	Now time.Time
+	// The stored sizes, which a listing gives without reading the
+	// response; nil where the store cannot tell.
+	StoredBody, StoredHeaders *int
 }
 
 // lockState describes the lock of an in-progress record by the store's
 // clock: its age, and its lease.
-func (ir inspectedRecord) lockState() string {
-	age := ir.now.Sub(ir.rec.LockedAt).Round(time.Second)
-	until := ir.rec.LockedUntil
+func (ir InspectedRecord) lockState() string {
+	age := ir.Now.Sub(ir.Record.LockedAt).Round(time.Second)
+	until := ir.Record.LockedUntil
 	switch {
-	case until.IsZero() && ir.leaseEnded:
+	case until.IsZero() && ir.LeaseEnded:
 		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), ended by lock_timeout", age)
 	case until.IsZero():
 		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), live by lock_timeout", age)
-	case ir.leaseEnded:
-		return fmt.Sprintf("locked %s ago, lease ended %s ago at %s", age, ir.now.Sub(until).Round(time.Second), until.Format(time.RFC3339))
+	case ir.LeaseEnded:
+		return fmt.Sprintf("locked %s ago, lease ended %s ago at %s", age, ir.Now.Sub(until).Round(time.Second), until.Format(time.RFC3339))
 	}
-	return fmt.Sprintf("locked %s ago, lease live until %s (%s more)", age, until.Format(time.RFC3339), until.Sub(ir.now).Round(time.Second))
+	return fmt.Sprintf("locked %s ago, lease live until %s (%s more)", age, until.Format(time.RFC3339), until.Sub(ir.Now).Round(time.Second))
 }
 
-// inspector is implemented by the stores that an operator can look into
-// through the admin API.
-type inspector interface {
-	// inspectRecords returns up to f.limit records that f selects,
-	// ordered by credential hash and key; expired ones included.
-	inspectRecords(ctx context.Context, f recordFilter) ([]inspectedRecord, error)
-	// deleteRecord deletes the record of key and wakes the requests
-	// that wait on it. Without force, only an in-progress record whose
-	// lease has ended (lockTimeout as in recordFilter): one that no live
-	// request owns. It returns the status of the record it deleted, or
-	// errNoRecord.
-	deleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error)
-}
-
-// The refusals of releaseRecord; its callers word them.
+// The refusals of releaseRecord, besides ErrNoRecord; its callers word
+// them.
 var (
-	// errNoRecord: no record matches, or the record to delete is gone,
-	// or (without force) no longer in progress with an ended lease.
-	errNoRecord = errors.New("no such record")
 	// errAmbiguous: the credential id matches several credentials.
 	errAmbiguous = errors.New("several credentials match")
 	// errCompleted: without force, a record that is not in progress,
@@ -118,33 +105,33 @@ var (
 // the deletion checks it again, so a renewal that comes first keeps the
 // record. It returns the record as it was found, and one of the errors
 // above or the store's.
-func releaseRecord(ctx context.Context, store inspector, f recordFilter, force bool) (inspectedRecord, error) {
-	f.limit, f.withResponse = 2, false
-	recs, err := store.inspectRecords(ctx, f)
+func releaseRecord(ctx context.Context, store Inspector, f RecordFilter, force bool) (InspectedRecord, error) {
+	f.Limit, f.WithResponse = 2, false
+	recs, err := store.InspectRecords(ctx, f)
 	switch {
 	case err != nil:
-		return inspectedRecord{}, err
+		return InspectedRecord{}, err
 	case len(recs) == 0:
-		return inspectedRecord{}, errNoRecord
+		return InspectedRecord{}, ErrNoRecord
 	case len(recs) > 1:
-		return inspectedRecord{}, errAmbiguous
+		return InspectedRecord{}, errAmbiguous
 	}
 	rec := recs[0]
 	switch {
 	case force:
-	case rec.rec.Status != StatusInProgress:
+	case rec.Record.Status != StatusInProgress:
 		return rec, errCompleted
-	case !rec.leaseEnded:
+	case !rec.LeaseEnded:
 		return rec, errLeaseLive
 	}
-	status, err := store.deleteRecord(ctx, rec.key, force, f.lockTimeout)
-	if errors.Is(err, errNoRecord) {
+	status, err := store.DeleteRecord(ctx, rec.Key, force, f.LockTimeout)
+	if errors.Is(err, ErrNoRecord) {
 		return rec, errChanged
 	}
 	if err != nil {
 		return rec, err
 	}
-	rec.rec.Status = status
+	rec.Record.Status = status
 	return rec, nil
 }
 
@@ -168,25 +155,25 @@ func (s *PostgresStore) adminName() (name, backend, table, database string) {
 	return "postgres:" + s.table.String(), "postgres", s.table.String(), describeDSN(s.poolKey.dsn)
 }
 
-func (m *MemoryStore) inspectRecords(ctx context.Context, f recordFilter) ([]inspectedRecord, error) {
+func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
 	s := m.records
 	var packed []packedResponse
-	var out []inspectedRecord
+	var out []InspectedRecord
 	s.mu.Lock()
 	now := s.now()
 	for rk, rec := range s.m {
-		if !f.matches(rk) {
+		if !f.Matches(rk) {
 			continue
 		}
-		ir := inspectedRecord{key: rk, rec: rec.Record, expired: !now.Before(rec.ExpiresAt), now: now}
-		ir.rec.TTL = rec.ExpiresAt.Sub(now)
-		ir.leaseEnded = rec.Status == StatusInProgress && rec.leaseEnded(now)
+		ir := InspectedRecord{Key: rk, Record: rec.Record, Expired: !now.Before(rec.ExpiresAt), Now: now}
+		ir.Record.TTL = rec.ExpiresAt.Sub(now)
+		ir.LeaseEnded = rec.Status == StatusInProgress && rec.leaseEnded(now)
 		if rec.Status == StatusCompleted {
 			body, headers := len(rec.response.data)-rec.response.headerEnd, rec.response.headerEnd
 			if !rec.response.replayable {
 				body = 0
 			}
-			ir.storedBody, ir.storedHeaders = &body, &headers
+			ir.StoredBody, ir.StoredHeaders = &body, &headers
 		}
 		out = append(out, ir)
 		packed = append(packed, rec.response)
@@ -199,37 +186,37 @@ func (m *MemoryStore) inspectRecords(ctx context.Context, f recordFilter) ([]ins
 		idx[i] = i
 	}
 	slices.SortFunc(idx, func(a, b int) int {
-		if c := bytes.Compare(out[a].key.CredentialHash[:], out[b].key.CredentialHash[:]); c != 0 {
+		if c := bytes.Compare(out[a].Key.CredentialHash[:], out[b].Key.CredentialHash[:]); c != 0 {
 			return c
 		}
-		return strings.Compare(out[a].key.Key, out[b].key.Key)
+		return strings.Compare(out[a].Key.Key, out[b].Key.Key)
 	})
-	if f.limit > 0 && len(idx) > f.limit {
-		idx = idx[:f.limit]
+	if f.Limit > 0 && len(idx) > f.Limit {
+		idx = idx[:f.Limit]
 	}
-	sorted := make([]inspectedRecord, len(idx))
+	sorted := make([]InspectedRecord, len(idx))
 	for i, j := range idx {
 		sorted[i] = out[j]
-		if sorted[i].rec.Status == StatusCompleted {
+		if sorted[i].Record.Status == StatusCompleted {
 			p := packed[j]
 			resp := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
-			if f.withResponse {
+			if f.WithResponse {
 				// A copy: a packed response never changes once stored.
 				resp = p.unpack()
 			}
-			sorted[i].rec.Response = resp
+			sorted[i].Record.Response = resp
 		}
 	}
 	return sorted, ctx.Err()
 }
 
-func (m *MemoryStore) deleteRecord(_ context.Context, key RecordKey, force bool, _ time.Duration) (Status, error) {
+func (m *MemoryStore) DeleteRecord(_ context.Context, key RecordKey, force bool, _ time.Duration) (Status, error) {
 	s := m.records
 	s.mu.Lock()
 	rec, ok := s.m[key]
 	if !ok || (!force && (rec.Status != StatusInProgress || !rec.leaseEnded(s.now()))) {
 		s.mu.Unlock()
-		return "", errNoRecord
+		return "", ErrNoRecord
 	}
 	delete(s.m, key)
 	s.mu.Unlock()
@@ -237,18 +224,18 @@ func (m *MemoryStore) deleteRecord(_ context.Context, key RecordKey, force bool,
 	return rec.Status, nil
 }
 
-func (s *PostgresStore) inspectRecords(ctx context.Context, f recordFilter) ([]inspectedRecord, error) {
+func (s *PostgresStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
 	response := `NULL::bytea, NULL::bytea`
-	if f.withResponse {
+	if f.WithResponse {
 		response = `COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8')), response_body`
 	}
 	// One query per credential prefix: each is a range of the primary
 	// key's index. Without a prefix, the range is the whole table.
-	prefixes := f.credPrefixes
+	prefixes := f.CredentialPrefixes
 	if len(prefixes) == 0 {
 		prefixes = [][]byte{{}}
 	}
-	var out []inspectedRecord
+	var out []InspectedRecord
 	for _, p := range prefixes {
 		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
 	expires_at <= now(), status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$6::bigint"+microseconds)+` <= now(), now(),
@@ -260,7 +247,7 @@ FROM `+s.table.quoted()+` AS r
 WHERE credential_hash >= $1 AND ($2::bytea IS NULL OR credential_hash < $2)
 	AND ($3 = '' OR key = $3) AND ($4 = '' OR starts_with(key, $4))
 ORDER BY credential_hash, key
-LIMIT $5`, p, prefixEnd(p), f.key, f.keyPrefix, f.limit, f.lockTimeout.Microseconds())
+LIMIT $5`, p, prefixEnd(p), f.Key, f.KeyPrefix, f.Limit, f.LockTimeout.Microseconds())
 		if err != nil {
 			return nil, err
 		}
@@ -270,24 +257,24 @@ LIMIT $5`, p, prefixEnd(p), f.key, f.keyPrefix, f.limit, f.lockTimeout.Microseco
 		}
 		out = append(out, recs...)
 	}
-	if len(f.credPrefixes) > 1 {
-		slices.SortFunc(out, func(a, b inspectedRecord) int {
-			if c := bytes.Compare(a.key.CredentialHash[:], b.key.CredentialHash[:]); c != 0 {
+	if len(f.CredentialPrefixes) > 1 {
+		slices.SortFunc(out, func(a, b InspectedRecord) int {
+			if c := bytes.Compare(a.Key.CredentialHash[:], b.Key.CredentialHash[:]); c != 0 {
 				return c
 			}
-			return strings.Compare(a.key.Key, b.key.Key)
+			return strings.Compare(a.Key.Key, b.Key.Key)
 		})
-		out = slices.CompactFunc(out, func(a, b inspectedRecord) bool { return a.key == b.key })
-		if len(out) > f.limit {
-			out = out[:f.limit]
+		out = slices.CompactFunc(out, func(a, b InspectedRecord) bool { return a.Key == b.Key })
+		if len(out) > f.Limit {
+			out = out[:f.Limit]
 		}
 	}
 	return out, nil
 }
 
-func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
+func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 	var (
-		ir                     inspectedRecord
+		ir                     InspectedRecord
 		credHash               []byte
 		status                 string
 		ttl                    int64
@@ -298,23 +285,23 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 		storedBody, storedHdrs *int32
 		respHeaders, respBody  []byte
 	)
-	err := row.Scan(&credHash, &ir.key.Key, &status, &ir.rec.Method, &ir.rec.Path, &ir.rec.CreatedAt, &ir.rec.ExpiresAt,
-		&ir.expired, &ir.leaseEnded, &ir.now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
+	err := row.Scan(&credHash, &ir.Key.Key, &status, &ir.Record.Method, &ir.Record.Path, &ir.Record.CreatedAt, &ir.Record.ExpiresAt,
+		&ir.Expired, &ir.LeaseEnded, &ir.Now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
 		&storedBody, &storedHdrs, &respHeaders, &respBody)
 	if err != nil {
 		return ir, err
 	}
-	copy(ir.key.CredentialHash[:], credHash)
-	ir.rec.Status = Status(status)
-	ir.rec.CreatedAt, ir.rec.ExpiresAt, ir.now = ir.rec.CreatedAt.UTC(), ir.rec.ExpiresAt.UTC(), ir.now.UTC()
-	ir.rec.TTL = time.Duration(ttl) * time.Microsecond
+	copy(ir.Key.CredentialHash[:], credHash)
+	ir.Record.Status = Status(status)
+	ir.Record.CreatedAt, ir.Record.ExpiresAt, ir.Now = ir.Record.CreatedAt.UTC(), ir.Record.ExpiresAt.UTC(), ir.Now.UTC()
+	ir.Record.TTL = time.Duration(ttl) * time.Microsecond
 	if lockedAt != nil {
-		ir.rec.LockedAt = lockedAt.UTC()
+		ir.Record.LockedAt = lockedAt.UTC()
 	}
 	if lockedUntil != nil {
-		ir.rec.LockedUntil = lockedUntil.UTC()
+		ir.Record.LockedUntil = lockedUntil.UTC()
 	}
-	if ir.rec.Status != StatusCompleted {
+	if ir.Record.Status != StatusCompleted {
 		return ir, nil
 	}
 	resp := storedResponse(respStatus, replayable, respSize, respBody)
@@ -323,7 +310,7 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 			return ir, fmt.Errorf("decoding stored response headers: %w", err)
 		}
 	}
-	ir.rec.Response = resp
+	ir.Record.Response = resp
 	body, headers := 0, 0
 	if storedBody != nil {
 		body = int(*storedBody)
@@ -331,11 +318,11 @@ func scanInspected(row pgx.CollectableRow) (inspectedRecord, error) {
 	if storedHdrs != nil {
 		headers = int(*storedHdrs)
 	}
-	ir.storedBody, ir.storedHeaders = &body, &headers
+	ir.StoredBody, ir.StoredHeaders = &body, &headers
 	return ir, nil
 }
 
-func (s *PostgresStore) deleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
+func (s *PostgresStore) DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return "", err
@@ -347,7 +334,7 @@ WHERE credential_hash = $1 AND key = $2
 	AND ($3 OR (status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$4::bigint"+microseconds)+` <= now()))
 RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microseconds()).Scan(&status)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", errNoRecord
+		return "", ErrNoRecord
 	}
 	if err != nil {
 		return "", err
@@ -364,8 +351,8 @@ RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microsecon
 
 // Interface guards
 var (
-	_ inspector = (*MemoryStore)(nil)
-	_ inspector = (*PostgresStore)(nil)
+	_ Inspector = (*MemoryStore)(nil)
+	_ Inspector = (*PostgresStore)(nil)
 )
 
 // recordJSON is a record as the admin API and the CLI's --json show it:
@@ -400,26 +387,26 @@ type responseJSON struct {
 	Body []byte `json:"body_base64"`
 }
 
-func newRecordJSON(ir inspectedRecord, withResponse bool) recordJSON {
+func newRecordJSON(ir InspectedRecord, withResponse bool) recordJSON {
 	rec := recordJSON{
-		CredentialHash: fmt.Sprintf("%x", ir.key.CredentialHash),
-		CredentialID:   credentialID(ir.key.CredentialHash),
-		Key:            ir.key.Key,
-		Status:         ir.rec.Status,
-		Expired:        ir.expired,
-		LeaseEnded:     ir.leaseEnded,
-		Method:         ir.rec.Method,
-		Path:           ir.rec.Path,
-		Created:        ir.rec.CreatedAt.UTC(),
-		Expires:        ir.rec.ExpiresAt.UTC(),
-		StoredBody:     ir.storedBody,
-		StoredHeaders:  ir.storedHeaders,
+		CredentialHash: fmt.Sprintf("%x", ir.Key.CredentialHash),
+		CredentialID:   credentialID(ir.Key.CredentialHash),
+		Key:            ir.Key.Key,
+		Status:         ir.Record.Status,
+		Expired:        ir.Expired,
+		LeaseEnded:     ir.LeaseEnded,
+		Method:         ir.Record.Method,
+		Path:           ir.Record.Path,
+		Created:        ir.Record.CreatedAt.UTC(),
+		Expires:        ir.Record.ExpiresAt.UTC(),
+		StoredBody:     ir.StoredBody,
+		StoredHeaders:  ir.StoredHeaders,
 	}
-	if ir.rec.Status == StatusInProgress {
-		locked, until := ir.rec.LockedAt.UTC(), ir.rec.LockedUntil.UTC()
+	if ir.Record.Status == StatusInProgress {
+		locked, until := ir.Record.LockedAt.UTC(), ir.Record.LockedUntil.UTC()
 		rec.Locked, rec.LockedUntil = &locked, &until
 	}
-	if resp := ir.rec.Response; resp != nil {
+	if resp := ir.Record.Response; resp != nil {
 		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize
 		if withResponse {
 			rec.Response = &responseJSON{resp.Header, resp.Body}

@@ -125,6 +125,22 @@ type InProcess interface {
 	InProcess()
 }
 
+// Inspector is implemented by stores that an operator can look into and
+// release records of, through the admin API (and, for Postgres, `caddy
+// idempotency`). Neither method is on the request path.
+type Inspector interface {
+	// InspectRecords returns up to f.Limit records that f selects,
+	// ordered by credential hash and key; expired ones included.
+	InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error)
+	// DeleteRecord deletes the record of key and wakes the requests
+	// that wait on it. Without force, only an in-progress record whose
+	// lease has ended (by lockTimeout, as RecordFilter.LockTimeout, for
+	// a record without a lease of its own): one that no live request
+	// owns. It returns the status of the record it deleted, or
+	// ErrNoRecord.
+	DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error)
+}
+
 // storeAs returns the capability T of s: s's own, or that of the store
 // it wraps (a wrapper's Unwrap), and so on down the chain. A wrapper that
 // adds to a capability (the metrics and the cache time and watch
@@ -158,6 +174,11 @@ func innermost(s Store) Store {
 // its lock went stale and another request took it over, or it was
 // released by an operator.
 var ErrLockLost = errors.New("idempotency: lock lost to another request")
+
+// ErrNoRecord means that no record matches (Inspector), or that the
+// record to delete is gone or, without force, no longer in progress with
+// an ended lease.
+var ErrNoRecord = errors.New("no such record")
 
 // ErrStoreFull is returned by a bounded store that cannot take a new
 // record; the handler answers 503 so the client retries later.

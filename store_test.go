@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // eachStoreChain runs fn, in parallel subtests, on every store as a
@@ -348,7 +350,7 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		ctx := context.Background()
 		s := sb.open(t)
-		ins := s.(inspector)
+		ins := s.(Inspector)
 		const lease = 150 * time.Millisecond
 		acquire := func(key string) AcquireRequest {
 			t.Helper()
@@ -365,7 +367,7 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 		if err := s.Renew(ctx, late.Key, late.Token); !errors.Is(err, ErrLockLost) {
 			t.Fatalf("a renewal after the lease ended: %v, want ErrLockLost", err)
 		}
-		if _, err := ins.deleteRecord(ctx, late.Key, false, 0); err != nil {
+		if _, err := ins.DeleteRecord(ctx, late.Key, false, 0); err != nil {
 			t.Fatalf("a release after the lease ended: %v", err)
 		}
 
@@ -376,17 +378,17 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 			var renewErr, releaseErr error
 			var wg sync.WaitGroup
 			wg.Go(func() { renewErr = s.Renew(ctx, req.Key, req.Token) })
-			wg.Go(func() { _, releaseErr = ins.deleteRecord(ctx, req.Key, false, 0) })
+			wg.Go(func() { _, releaseErr = ins.DeleteRecord(ctx, req.Key, false, 0) })
 			wg.Wait()
 			switch {
 			case renewErr == nil && releaseErr == nil:
 				t.Fatalf("race %d: the renewal and the release both succeeded", i)
 			case renewErr != nil && !errors.Is(renewErr, ErrLockLost),
-				releaseErr != nil && !errors.Is(releaseErr, errNoRecord):
+				releaseErr != nil && !errors.Is(releaseErr, ErrNoRecord):
 				t.Fatalf("race %d: renewal %v, release %v", i, renewErr, releaseErr)
 			case renewErr != nil && releaseErr != nil:
 				// The renewal found the lease ended: so does a release now.
-				if _, err := ins.deleteRecord(ctx, req.Key, false, 0); err != nil {
+				if _, err := ins.DeleteRecord(ctx, req.Key, false, 0); err != nil {
 					t.Fatalf("race %d: a release after the renewal failed: %v", i, err)
 				}
 			}
@@ -416,7 +418,7 @@ func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
 	if _, ok := storeAs[SecretKeeper](chain); !ok {
 		t.Error("SecretKeeper not found through the chain")
 	}
-	if _, ok := storeAs[servedStore](chain); !ok {
+	if _, ok := storeAs[Inspector](chain); !ok {
 		t.Error("the admin API's capability not found through the chain")
 	}
 	if got := recordsOf(chain); got != memoryPoolKey {
@@ -443,4 +445,40 @@ func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
 	if got, want := recordsOf(chain), pg.Records(); got != want {
 		t.Errorf("records of the chain: %q, want %q", got, want)
 	}
+}
+
+// outsideStore is a store of another module: it offers the memory
+// store's records and their inspection, and nothing else of it.
+type outsideStore struct {
+	Store
+	inspect Inspector
+}
+
+func (outsideStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.handlers.idempotency.stores.outside"}
+}
+
+func (s outsideStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
+	return s.inspect.InspectRecords(ctx, f)
+}
+
+func (s outsideStore) DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
+	return s.inspect.DeleteRecord(ctx, key, force, lockTimeout)
+}
+
+// A store of another module that implements Inspector is served by the
+// admin API, named after its module, through the handler's wrappers.
+func TestAdminAPIServesAnOutsideInspector(t *testing.T) {
+	mem := &MemoryStore{records: newMemoryRecords(100, time.Now)}
+	h := &Handler{}
+	h.store, h.cache = wrapStore(outsideStore{Store: mem, inspect: mem}, newStoreMetrics("conformance"), defaultReplayCache)
+	h.records = recordsOf(h.store)
+	h.registerStore()
+	t.Cleanup(h.unregisterStore)
+	for _, s := range adminStores() {
+		if s.Name == "outside" && s.Backend == "outside" && len(s.users) == 1 && s.users[0].h == h && s.users[0].cache == h.cache {
+			return
+		}
+	}
+	t.Fatalf("the outside store is not among the admin API's stores: %+v", adminStores())
 }
