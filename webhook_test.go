@@ -345,6 +345,48 @@ func TestStripeWebhook(t *testing.T) {
 	})
 }
 
+// With wait, concurrent deliveries of one event each get the first
+// delivery's answer.
+func TestStripeWebhookWait(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		rc := newStripeReceiver(t)
+		ws := stripeSite(t, sb, rc.URL, "wait 10s")
+		start := time.Now()
+		id := "evt_" + randomHex(12)
+		body := stripeEvent(id)
+		gate := make(chan struct{})
+		rc.mu.Lock()
+		rc.gate = gate
+		rc.mu.Unlock()
+		replies := make(chan reply, 12)
+		var wg sync.WaitGroup
+		for i := range 12 {
+			wg.Go(func() { replies <- rc.deliver(t, ws, body, start.Add(time.Duration(i)*time.Second)) })
+		}
+		waitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
+		time.Sleep(100 * time.Millisecond) // the others find it in progress, and wait
+		close(gate)
+		wg.Wait()
+		close(replies)
+		rc.mu.Lock()
+		rc.gate = nil
+		rc.mu.Unlock()
+		replayed := 0
+		for r := range replies {
+			if r.Status != http.StatusOK {
+				t.Errorf("waiting delivery: %s", r)
+			}
+			if r.replayed() {
+				replayed++
+			}
+		}
+		if n := rc.count(id); n != 1 || replayed != 11 {
+			t.Errorf("event processed %d times, %d replays; want 1 and 11", n, replayed)
+		}
+		t.Logf("%s: 12 concurrent deliveries with wait, %d processed, %d replayed", sb.Name, rc.count(id), replayed)
+	})
+}
+
 // The README's senders on one table: Stripe (key in the body) and three
 // that send it in a header, each delivery with a new signature. The same
 // key string under each scope is another event, executed once.
