@@ -34,6 +34,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	idempotency [<matcher>] {
 //	    store postgres {
 //	        dsn        <connection string>
+//	        listen_dsn <connection string>
 //	        table      <name>
 //	        max_conns  <n>
 //	        migrate    on|off
@@ -208,7 +209,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // storeOptions are the options of the stores' blocks, by backend: one
 // written in the handler's block instead gets told where it goes.
 var storeOptions = map[string]string{
-	"dsn": "postgres", "table": "postgres", "max_conns": "postgres", "migrate": "postgres",
+	"dsn": "postgres", "listen_dsn": "postgres", "table": "postgres", "max_conns": "postgres", "migrate": "postgres",
 	"max_entries": "memory",
 }
 
@@ -355,10 +356,11 @@ func (m *MemoryStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
 //
 //	postgres {
-//	    dsn       <connection string>
-//	    table     <name>
-//	    max_conns <n>
-//	    migrate   on|off
+//	    dsn        <connection string>
+//	    listen_dsn <connection string>
+//	    table      <name>
+//	    max_conns  <n>
+//	    migrate    on|off
 //	}
 //
 // The first token is the backend name, postgres.
@@ -378,6 +380,10 @@ func (s *PostgresStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		switch opt {
 		case "dsn":
 			if !d.AllArgs(&s.DSN) {
+				return d.ArgErr()
+			}
+		case "listen_dsn":
+			if !d.AllArgs(&s.ListenDSN) {
 				return d.ArgErr()
 			}
 		case "table":

@@ -155,7 +155,7 @@ func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToke
 
 // EnableWaiting implements Waiter. The memory store always wakes
 // waiters: with none, that costs a map lookup.
-func (m *MemoryStore) EnableWaiting() {}
+func (m *MemoryStore) EnableWaiting() error { return nil }
 
 // WaitCompleted implements Waiter.
 func (m *MemoryStore) WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{} {

@@ -49,7 +49,9 @@ func (h *Handler) provisionModes() error {
 	if !ok {
 		return fmt.Errorf("wait: the store %T cannot wake waiting requests", innermost(h.store))
 	}
-	w.EnableWaiting()
+	if err := w.EnableWaiting(); err != nil {
+		return fmt.Errorf("wait: %w", err)
+	}
 	h.waiter = w
 	return nil
 }

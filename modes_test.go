@@ -191,12 +191,16 @@ func TestWaiterStores(t *testing.T) {
 	stores := map[string]func(t *testing.T) (Store, Waiter){
 		"memory": func(t *testing.T) (Store, Waiter) {
 			s, _ := newTestMemoryStore(10)
-			s.EnableWaiting()
+			if err := s.EnableWaiting(); err != nil {
+				t.Fatal(err)
+			}
 			return s, s
 		},
 		"postgres": func(t *testing.T) (Store, Waiter) {
 			s := newTestPostgresStore(t, freshTable(t), 4)
-			s.EnableWaiting()
+			if err := s.EnableWaiting(); err != nil {
+				t.Fatal(err)
+			}
 			waitFor(t, 15*time.Second, "the listener to connect", func() bool {
 				return pgBackends(t, s.poolKey.dsn, "caddy-idempotency-listener") >= 1
 			})

@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"sync"
@@ -40,24 +41,46 @@ const (
 // a NOTIFY on the table's channel, and this instance listens to it. It is
 // opt-in because a NOTIFY takes a database-wide lock at commit, which
 // serialises the commits of concurrent completions.
-func (s *PostgresStore) EnableWaiting() {
+//
+// The LISTEN connection is listen_dsn's, or else dsn's. A LISTEN lives
+// on its session, which a transaction pooler does not give a client: a
+// pooled dsn (pooledDSN) without listen_dsn is refused, since its
+// waiters would never be woken.
+func (s *PostgresStore) EnableWaiting() error {
 	if s.listener != nil {
-		return
+		return nil
 	}
-	cfg := s.pool.Config().ConnConfig.Copy()
+	var cfg *pgx.ConnConfig
+	dsn := s.poolKey.dsn
+	if s.ListenDSN != "" {
+		dsn = caddy.NewReplacer().ReplaceKnown(s.ListenDSN, "")
+		c, err := pgx.ParseConfig(dsn)
+		if err != nil {
+			// pgx's parse errors quote the DSN, password included.
+			return errors.New("postgres store: listen_dsn is not a valid connection string")
+		}
+		cfg = c
+	} else {
+		cfg = s.pool.Config().ConnConfig.Copy()
+		if pooledDSN(cfg) {
+			return fmt.Errorf("postgres store: dsn asks for default_query_exec_mode=%s, so it is taken to go through a transaction pooler, which cannot carry the LISTEN that wait needs: set listen_dsn to a direct connection to the database", cfg.DefaultQueryExecMode)
+		}
+	}
 	cfg.RuntimeParams["application_name"] = "caddy-idempotency-listener"
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = 10 * time.Second
 	}
 	// The constructor cannot fail.
-	val, _, _ := pgListeners.LoadOrNew(s.poolKey.dsn, func() (caddy.Destructor, error) {
+	val, _, _ := pgListeners.LoadOrNew(dsn, func() (caddy.Destructor, error) {
 		return newPGListener(cfg), nil
 	})
 	s.listener = val.(*pgListener)
+	s.listenKey = dsn
 	s.channel = notifyChannel(s.table)
 	s.listener.subscribe(s.channel)
 	s.sql.complete = completeSQL(s.table.quoted(), true)
 	s.sql.release = releaseSQL(s.table.quoted(), true)
+	return nil
 }
 
 // WaitCompleted implements Waiter.
@@ -71,7 +94,7 @@ func (s *PostgresStore) stopWaiting() {
 		return
 	}
 	s.listener.unsubscribe(s.channel)
-	_, _ = pgListeners.Delete(s.poolKey.dsn) // only a missing key errs
+	_, _ = pgListeners.Delete(s.listenKey) // only a missing key errs
 }
 
 // notifyChannel is the NOTIFY channel of a table. A hash keeps it within

@@ -6,13 +6,11 @@ import (
 	"context"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Prune implements Store. It holds a session advisory lock, keyed by the
-// table, on one connection for the whole run, so that among the instances
-// of a cluster one prunes and the others return at once.
+// Prune implements Store. A transaction holds an advisory lock, keyed by
+// the table, for the whole run, so that among the instances of a cluster
+// one prunes and the others return at once.
 func (s *PostgresStore) Prune(ctx context.Context, batchSize int) (int64, error) {
 	if err := s.ready(ctx); err != nil {
 		return 0, err
@@ -23,32 +21,47 @@ func (s *PostgresStore) Prune(ctx context.Context, batchSize int) (int64, error)
 
 // prune is Prune, and also reports whether it held the lock: false means
 // that another instance was pruning (the operator CLI says so).
+//
+// The lock is a transaction's, not a session's: through a transaction
+// pooler, consecutive statements of one connection run on different
+// server connections, and a session lock taken on one of them was never
+// released on another, which stopped pruning for every instance for as
+// long as that server connection lived. The transaction only holds the
+// lock (it reads no row and writes none, so it holds back no vacuum); the
+// batches are deleted outside it, each committed on its own, so that a
+// large backlog neither keeps its rows locked until the end nor stays
+// invisible to the other instances meanwhile. An instance that dies
+// mid-run takes its transaction, and the lock, with it.
 func (s *PostgresStore) prune(ctx context.Context, batchSize int) (total int64, locked bool, err error) {
 	if batchSize <= 0 {
 		return 0, false, fmt.Errorf("postgres store: prune: batch size must be positive, not %d", batchSize)
 	}
-	conn, err := s.pool.Acquire(ctx)
+	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return 0, false, fmt.Errorf("postgres store: prune: %w", err)
 	}
-	lockKey := s.table.pruneLockKey()
-	if err := conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", lockKey).Scan(&locked); err != nil {
-		conn.Release()
+	// Not the caller's context, which may be why pruning stopped: a
+	// rollback that fails closes the connection, which ends the
+	// transaction too.
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(ctx)
+	}()
+	if err := tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", s.table.pruneLockKey()).Scan(&locked); err != nil {
 		return 0, false, fmt.Errorf("postgres store: prune: %w", err)
 	}
 	if !locked {
-		conn.Release()
 		return 0, false, nil
 	}
-	defer unlockPrune(conn, lockKey)
 	// With migrate off, nothing else has looked at the table.
-	if err := checkTable(ctx, conn, s.table); err != nil {
+	if err := checkTable(ctx, tx, s.table); err != nil {
 		return 0, true, fmt.Errorf("postgres store: prune: %w", err)
 	}
 
 	for {
 		start := time.Now()
-		tag, err := conn.Exec(ctx, s.sql.pruneBatch, batchSize)
+		tag, err := s.pool.Exec(ctx, s.sql.pruneBatch, batchSize)
 		if err != nil {
 			return total, true, fmt.Errorf("postgres store: prune: %w", err)
 		}
@@ -71,19 +84,4 @@ func (s *PostgresStore) prune(ctx context.Context, batchSize int) (total int64, 
 			return total, true, fmt.Errorf("postgres store: prune: %w", ctx.Err())
 		}
 	}
-}
-
-// unlockPrune gives the prune lock back. A session lock outlives the work
-// it guards: returned to the pool still held, it would stop every instance
-// from pruning for as long as the connection lives. So the unlock does not
-// use the caller's context, which may be why pruning stopped, and a
-// connection that cannot unlock is closed, which unlocks it.
-func unlockPrune(conn *pgxpool.Conn, lockKey int64) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", lockKey); err != nil {
-		_ = conn.Hijack().Close(ctx)
-		return
-	}
-	conn.Release()
 }

@@ -52,6 +52,17 @@ type PostgresStore struct {
 	// validate` writes nothing. Default: true.
 	Migrate *bool `json:"migrate,omitempty"`
 
+	// The connection string of the LISTEN connection that `wait` needs,
+	// when dsn goes through a transaction pooler, which cannot carry a
+	// LISTEN: a direct connection to the database (the primary's
+	// address, or a session-mode pool). The store takes dsn to be pooled
+	// when it sets pgx's default_query_exec_mode to anything but
+	// cache_statement (cache_describe, exec, simple_protocol: the modes a
+	// transaction pooler needs); a handler with `wait` on such a dsn
+	// refuses to start without listen_dsn. Placeholders as for dsn.
+	// Default: dsn.
+	ListenDSN string `json:"listen_dsn,omitempty"`
+
 	table   tableName
 	poolKey postgresPoolKey
 	pool    *pgxpool.Pool
@@ -71,9 +82,11 @@ type PostgresStore struct {
 	// The batchers of the request path's statements (pgbatch.go).
 	acquires                      *batcher[queuedAcquire, AcquireResult]
 	completes, releases, renewals *ownedBatcher
-	// listener and channel are set by EnableWaiting (pglisten.go).
-	listener *pgListener
-	channel  string
+	// listener, listenKey (its DSN) and channel are set by
+	// EnableWaiting (pglisten.go).
+	listener  *pgListener
+	listenKey string
+	channel   string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -122,6 +135,48 @@ func acquireSlots(maxConns int32) int {
 func (p sharedPool) Destruct() error {
 	p.Close()
 	return nil
+}
+
+// planPreparedStatements sets, as startup parameters, how the server
+// plans the statements that a connection prepares once and keeps
+// (cache_statement): a pooler refuses startup parameters it does not
+// know, so they are sent only in that mode, which a transaction pooler
+// does not carry anyway. In the other modes every execution is planned
+// anew, for its own arguments and the table as it is, which neither
+// setting is needed for (TestPostgresBehindTransactionPooler).
+func planPreparedStatements(params map[string]string) {
+	// The batched statements are planned once per connection. A custom
+	// plan, for the array lengths of each execution, costs less on paper
+	// than the generic one (which assumes ten rows), so Postgres would
+	// plan them again at every execution: with 32 acquires of one row in
+	// flight, the store alone ran half as many. Their generic plans look
+	// every row up through the primary key
+	// (TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired).
+	if _, ok := params["plan_cache_mode"]; !ok {
+		params["plan_cache_mode"] = "force_generic_plan"
+	}
+	// A connection keeps a statement's plan for its life, and plans it
+	// for the table as it is at the statement's first use: on a new
+	// table, nearly empty, a scan of its few pages costs less on paper
+	// than a primary-key lookup per row of a batch, and that plan then
+	// read the whole table at every completion as the table grew (first
+	// executions a quarter slower at 27,000 rows, and worse beyond),
+	// until an ANALYZE, which autovacuum may never run, replaced it.
+	// Every statement of the store finds its rows through an index, so a
+	// sequential scan is never the plan it wants
+	// (TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable).
+	if _, ok := params["enable_seqscan"]; !ok {
+		params["enable_seqscan"] = "off"
+	}
+}
+
+// pooledDSN says whether the store takes cfg's DSN to go through a
+// transaction pooler: one that asks pgx for anything but its default
+// exec mode, cache_statement, whose prepared statements a transaction
+// pooler does not carry (before PgBouncer 1.21). Such a DSN cannot carry
+// a LISTEN either, so `wait` needs listen_dsn with it.
+func pooledDSN(cfg *pgx.ConnConfig) bool {
+	return cfg.DefaultQueryExecMode != pgx.QueryExecModeCacheStatement
 }
 
 // defaultMaxConns sizes the pool. A request holds a connection only for
@@ -182,9 +237,15 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 			return nil, errors.New("postgres store: dsn is not a valid connection string")
 		}
 		cfg.MaxConns = key.maxConns
-		// One round trip per statement: the statement is prepared on a
-		// connection's first use and then only executed.
-		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
+		// The DSN's default_query_exec_mode stands. pgx's default,
+		// cache_statement, prepares each statement on a connection's
+		// first use and then only executes it: one round trip. Through a
+		// transaction pooler, whose server connections do not follow the
+		// client's, the DSN says cache_describe, exec or simple_protocol
+		// (see pooledDSN).
+		if cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
+			planPreparedStatements(cfg.ConnConfig.RuntimeParams)
+		}
 		cfg.ConnConfig.Tracer = testQueryTracer
 		// The pool dials on its own, past the request that made it dial,
 		// and a dial has no bound of its own: one whose startup reply
@@ -199,29 +260,6 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		}
 		if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 			cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-idempotency"
-		}
-		// The batched statements are planned once per connection. A
-		// custom plan, for the array lengths of each execution, costs
-		// less on paper than the generic one (which assumes ten rows),
-		// so Postgres would plan them again at every execution: with 32
-		// acquires of one row in flight, the store alone ran half as
-		// many. Their generic plans look every row up through the
-		// primary key (TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired).
-		if _, ok := cfg.ConnConfig.RuntimeParams["plan_cache_mode"]; !ok {
-			cfg.ConnConfig.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
-		}
-		// A connection keeps a statement's plan for its life, and plans
-		// it for the table as it is at the statement's first use: on a
-		// new table, nearly empty, a scan of its few pages costs less on
-		// paper than a primary-key lookup per row of a batch, and that
-		// plan then read the whole table at every completion as the
-		// table grew (first executions a quarter slower at 27,000 rows,
-		// and worse beyond), until an ANALYZE, which autovacuum may
-		// never run, replaced it. Every statement of the store finds its
-		// rows through an index, so a sequential scan is never the plan
-		// it wants (TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable).
-		if _, ok := cfg.ConnConfig.RuntimeParams["enable_seqscan"]; !ok {
-			cfg.ConnConfig.RuntimeParams["enable_seqscan"] = "off"
 		}
 		// Not Provision's context: it is cancelled when this config is
 		// unloaded, while the pool lives on in the next config.

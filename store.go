@@ -71,8 +71,10 @@ type Waiter interface {
 	// waits. From then on Complete and Release wake the waiters of their
 	// record, on every instance that shares the store, and WaitCompleted
 	// works. A store may make completions cheaper without it (a NOTIFY
-	// serialises commits in Postgres), so it is not always on.
-	EnableWaiting()
+	// serialises commits in Postgres), so it is not always on. An error
+	// says why the store cannot wake waiters, and the handler does not
+	// start.
+	EnableWaiting() error
 
 	// WaitCompleted returns a channel that is closed when the record of
 	// key is completed or released after the call, or when the store
