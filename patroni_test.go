@@ -118,16 +118,7 @@ func startPatroni(t *testing.T, timing patroniTimings) *patroniCluster {
 		t.Fatal(err)
 	}
 	c := &patroniCluster{dir: dir, timing: timing}
-	if os.Geteuid() == 0 {
-		u, err := serverUser()
-		if err != nil {
-			t.Fatal(err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatal(err)
-		}
+	if u := serverOwned(t, dir); u != nil {
 		c.asUser = []string{"runuser", "-u", u.Username, "--"}
 	}
 	ports := make([]int, 6)

@@ -99,17 +99,7 @@ func startPGPrimary(t testing.TB, standbyNames string) (*pgPair, string) {
 		t.Fatal(err)
 	}
 	c := &pgPair{dir: dir, pgCtl: pgCtl}
-	if os.Geteuid() == 0 {
-		// The server refuses to run as root.
-		u, err := serverUser()
-		if err != nil {
-			t.Fatal(err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatal(err)
-		}
+	if u := serverOwned(t, dir); u != nil {
 		c.asUser = []string{"runuser", "-u", u.Username, "--"}
 	}
 	t.Cleanup(func() {

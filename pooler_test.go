@@ -94,16 +94,9 @@ pidfile = %[5]s/pgbouncer.pid
 	}
 	b.cmd = exec.Command(bin, filepath.Join(dir, "pgbouncer.ini"))
 	b.cmd.Dir = dir
-	if os.Geteuid() == 0 {
-		u, err := serverUser()
-		if err != nil {
-			t.Fatal(err)
-		}
+	if u := serverOwned(t, dir); u != nil {
 		uid, _ := strconv.Atoi(u.Uid)
 		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(dir, uid, gid); err != nil {
-			t.Fatal(err)
-		}
 		b.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
 	}
 	out, err := os.Create(filepath.Join(dir, "stderr.log"))

@@ -267,6 +267,26 @@ func findPostgresBinaries() (initdb, pgCtl string, err error) {
 	return "", "", errors.New("no PostgreSQL server binaries (initdb, pg_ctl) on PATH nor in /usr/lib/postgresql/*/bin")
 }
 
+// serverOwned gives dir to the user that the database servers run as
+// when the tests run as root (PostgreSQL, PgBouncer and Patroni refuse
+// to run as root) and returns that user; nil when the tests are not root.
+func serverOwned(t testing.TB, dir string) *user.User {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		return nil
+	}
+	u, err := serverUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	if err := os.Chown(dir, uid, gid); err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
 func serverUser() (*user.User, error) {
 	for _, name := range []string{"postgres", "nobody"} {
 		if u, err := user.Lookup(name); err == nil {
