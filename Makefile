@@ -1,7 +1,7 @@
 # The test command is the one README.md gives and .ci/run calls.
 .PHONY: test caddy
 test:
-	go test -race -count=1 ./...
+	go test -race -count=1 -timeout 30m ./...
 
 caddy:
 	go build -o caddy ./cmd/caddy
@@ -38,7 +38,7 @@ test-caddy-newest:
 	dir=$$(mktemp -d) && trap 'rm -rf "$$dir"' EXIT && \
 	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$$dir" && \
 	cd "$$dir" && go get github.com/caddyserver/caddy/v2@$(CADDY_NEWEST) && go mod tidy && \
-	go vet ./... && go test -race -count=1 $(TEST_NEWEST_FLAGS) ./...
+	go vet ./... && go test -race -count=1 -timeout 30m $(TEST_NEWEST_FLAGS) ./...
 
 # The long runs, outside `make test`: the invariant with 20,000 keys against
 # race-built Caddy processes, and each fuzz target for FUZZTIME.

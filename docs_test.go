@@ -136,7 +136,7 @@ func TestREADMEQuickStart(t *testing.T) {
 	}
 	for _, cmd := range []string{
 		"go run ./cmd/caddy run --config Caddyfile.example",
-		"go test -race -count=1 ./...",
+		"go test -race -count=1 -timeout 30m ./...",
 	} {
 		if !strings.Contains(string(b), cmd) {
 			t.Errorf("README.md lacks the quick start command %q", cmd)
