@@ -2,10 +2,13 @@ package idempotency
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"net/http"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // A database restarted after being down for longer than lock_timeout: the
@@ -132,4 +135,122 @@ func primaryLongUp(t testing.TB, dsn, table string) {
 	pgExec(t, dsn, `INSERT INTO `+tn.primariesTable()+` (system_identifier, timeline, first_seen)
 	SELECT `+thisPrimarySQL+`, '-infinity'
 	ON CONFLICT (system_identifier, timeline) DO UPDATE SET first_seen = excluded.first_seen`)
+}
+
+// acquireOn runs the store's acquire of table for one new key on conn,
+// as a store whose pool holds conn would, and returns its outcome.
+func acquireOn(t *testing.T, conn *pgx.Conn, table string) Outcome {
+	t.Helper()
+	tn, err := parseTableName(table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hash := sha256.Sum256([]byte("tenant"))
+	token := newLockToken()
+	fp := sha256.Sum256([]byte("body"))
+	var n int64
+	var outcome int32
+	err = conn.QueryRow(context.Background(), newPostgresSQL(tn).acquire.one,
+		hash[:], newKey(), fp[:], http.MethodPost, "/", token[:], int64(time.Hour/time.Microsecond), int64(time.Minute/time.Microsecond),
+	).Scan(&n, &outcome, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil)
+	if err != nil {
+		t.Fatalf("acquire: %v", err)
+	}
+	return Outcome(outcome)
+}
+
+// The system identifier that the statements keep in their server
+// connection's session is the server's own, and the timeline is never
+// kept: a standby's connection that outlives its promotion (as a
+// pooler's do, and a standby's sessions are not ended by a promotion)
+// notes the new primary at its next acquire, and judges leases from
+// then (migration 0004).
+func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
+	pair := startPGPair(t, true, 0)
+	ctx := context.Background()
+	const table = "idempotency_keys"
+	primary, err := pgx.Connect(ctx, pair.PrimaryDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer primary.Close(ctx)
+	if _, err := Migrate(ctx, primary, table); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the standby to replay the migrations", func() bool {
+		return pgQuery(t, pair.StandbyDSN(), "SELECT to_regclass('idempotency_keys_primaries') IS NOT NULL")[0][0] == "true"
+	})
+	conn, err := pgx.Connect(ctx, pair.StandbyDSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var sysid, kept int64
+	var timeline *int32
+	if err := conn.QueryRow(ctx, "SELECT "+thisPrimarySQL).Scan(&sysid, &timeline); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.QueryRow(ctx, "SELECT current_setting('"+systemIdentifierSetting+"')::bigint").Scan(&kept); err != nil {
+		t.Fatal(err)
+	}
+	if timeline != nil || kept != sysid {
+		t.Fatalf("on the standby: timeline %v, system identifier %d kept as %d; want no timeline, the identifier kept", timeline, sysid, kept)
+	}
+
+	promoted := time.Now()
+	pair.Promote(t)
+	if got := acquireOn(t, conn, table); got != OutcomeCreated {
+		t.Fatalf("acquire on the promoted server: outcome %d, want created", got)
+	}
+	rows := pgQuery(t, pair.StandbyDSN(), `SELECT p.system_identifier = (SELECT system_identifier FROM pg_control_system()),
+		p.timeline = ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int AND p.timeline > 1, p.first_seen >= $1
+		FROM idempotency_keys_primaries AS p`, promoted)
+	if len(rows) != 1 || rows[0][0] != "true" || rows[0][1] != "true" || rows[0][2] != "true" {
+		t.Fatalf("the primaries table after an acquire on the promoted server, on a connection opened before: %v; "+
+			"want one row, the server's system identifier and its new timeline, first seen after the promotion", rows)
+	}
+	tn, _ := parseTableName(table)
+	var sinceOK bool
+	if err := conn.QueryRow(ctx, "SELECT "+primarySinceSQL(tn)+" = (SELECT first_seen FROM idempotency_keys_primaries)").Scan(&sinceOK); err != nil || !sinceOK {
+		t.Fatalf("the promoted server's primary_since on that connection is not its row's first_seen (%v)", err)
+	}
+}
+
+// A session whose settings were reset (RESET ALL, or DISCARD ALL as a
+// session pooler runs between clients) has an empty setting for the kept
+// system identifier: the statements read it again rather than fail.
+func TestSystemIdentifierReadAgainAfterReset(t *testing.T) {
+	table := freshTable(t)
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, testDSN(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := Migrate(ctx, conn, table); err != nil {
+		t.Fatal(err)
+	}
+	var want int64
+	if err := conn.QueryRow(ctx, "SELECT system_identifier FROM pg_control_system()").Scan(&want); err != nil {
+		t.Fatal(err)
+	}
+	for _, reset := range []string{"", "RESET ALL", "DISCARD ALL"} {
+		if reset != "" {
+			if _, err := conn.Exec(ctx, reset); err != nil {
+				t.Fatal(err)
+			}
+			// DISCARD ALL drops the prepared statements that pgx keeps.
+			if err := conn.DeallocateAll(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var got int64
+		var timeline *int32
+		if err := conn.QueryRow(ctx, "SELECT "+thisPrimarySQL).Scan(&got, &timeline); err != nil || got != want || timeline == nil {
+			t.Fatalf("after %q: system identifier %d, timeline %v (%v); want %d and the timeline", reset, got, timeline, err, want)
+		}
+		if got := acquireOn(t, conn, table); got != OutcomeCreated {
+			t.Fatalf("after %q: acquire outcome %d, want created", reset, got)
+		}
+	}
 }

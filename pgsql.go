@@ -48,11 +48,29 @@ func (t tableName) primariesTable() string {
 // thisPrimarySQL is the server's system identifier and timeline, the key
 // of its row in the primaries table. The timeline is the current WAL
 // file's (a promotion starts a new one at once; pg_control's checkpoint
-// timeline changes only at the next checkpoint). A standby has none: the
-// CASE keeps pg_walfile_name, which fails during recovery, from being
-// called there.
-const thisPrimarySQL = `(SELECT system_identifier FROM pg_control_system()),
+// timeline changes only at the next checkpoint), read by every
+// statement. A standby has none: the CASE keeps pg_walfile_name, which
+// fails during recovery, from being called there.
+//
+// The system identifier is read once per server connection and kept in
+// a setting of its session (systemIdentifierSetting): pg_control_system()
+// reads pg_control from disk, tens of microseconds of the server's CPU,
+// twice per acquire, the most costly part of the statement's lease rule.
+// A server connection belongs to one server process, whose system
+// identifier never changes, so the kept value is always the server's own,
+// behind a transaction pooler too (whose clients share the connection).
+// It is never the timeline that is kept: a standby promoted keeps its
+// connections, and their next statements must see the new timeline. The
+// setting is empty after RESET ALL or DISCARD ALL, and gone after a
+// rolled back transaction that set it: then it is read again. The
+// subquery makes the value one the primaries table's index can look up.
+const thisPrimarySQL = `(SELECT COALESCE(NULLIF(current_setting('` + systemIdentifierSetting + `', true), '')::bigint,
+		(SELECT set_config('` + systemIdentifierSetting + `', system_identifier::text, false)::bigint FROM pg_control_system()))),
 	CASE WHEN NOT pg_is_in_recovery() THEN ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int END`
+
+// systemIdentifierSetting is the session setting that keeps the server's
+// system identifier (thisPrimarySQL).
+const systemIdentifierSetting = "idempotency.system_identifier"
 
 // primarySinceSQL is when the server became the primary that it is now:
 // its start, or the first acquire that it served on its timeline, the
@@ -60,21 +78,37 @@ const thisPrimarySQL = `(SELECT system_identifier FROM pg_control_system()),
 // acquire has reached yet, or a standby), it is now(): time spent before
 // is not known to have been spent as this primary.
 func primarySinceSQL(t tableName) string {
-	return fmt.Sprintf(`GREATEST(pg_postmaster_start_time(), COALESCE(
-	(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (%s)), now()))`,
-		t.primariesTable(), thisPrimarySQL)
+	return primarySinceFrom(fmt.Sprintf(`(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (%s))`,
+		t.primariesTable(), thisPrimarySQL))
 }
 
-// notePrimarySQL adds the server's row to the primaries table if it has
-// none: a data-modifying WITH query of acquire. Its row is not seen by
-// the statement that adds it (one snapshot), which judges leases as if
-// there were none.
+// primarySinceFrom is primarySinceSQL with firstSeen, the first_seen of
+// the server's row in the primaries table (NULL without one).
+func primarySinceFrom(firstSeen string) string {
+	return `GREATEST(pg_postmaster_start_time(), COALESCE(` + firstSeen + `, now()))`
+}
+
+// thisPrimaryCTE is the WITH query, named this_primary, of a statement
+// that judges leases and notes the primary (acquire): the server's
+// system identifier, its timeline and the first_seen of its row, looked
+// up once for both.
+func thisPrimaryCTE(t tableName) string {
+	return fmt.Sprintf(`this_primary AS (
+	SELECT s.system_identifier, s.timeline,
+		(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline)) AS first_seen
+	FROM (SELECT %s) AS s (system_identifier, timeline)
+)`, t.primariesTable(), thisPrimarySQL)
+}
+
+// notePrimarySQL adds the server's row to the primaries table if
+// this_primary (thisPrimaryCTE) found none: a data-modifying WITH query
+// of acquire. Its row is not seen by the statement that adds it (one
+// snapshot), which judges leases as if there were none.
 func notePrimarySQL(t tableName) string {
-	return fmt.Sprintf(`INSERT INTO %[1]s AS p (system_identifier, timeline, first_seen)
-	SELECT s.*, now() FROM (SELECT %[2]s) AS s (system_identifier, timeline)
-	WHERE s.timeline IS NOT NULL
-		AND NOT EXISTS (SELECT FROM %[1]s AS p WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline))
-	ON CONFLICT DO NOTHING`, t.primariesTable(), thisPrimarySQL)
+	return fmt.Sprintf(`INSERT INTO %s AS p (system_identifier, timeline, first_seen)
+	SELECT system_identifier, timeline, now() FROM this_primary
+	WHERE timeline IS NOT NULL AND first_seen IS NULL
+	ON CONFLICT DO NOTHING`, t.primariesTable())
 }
 
 // leaseEndSQL is when the lease of the in-progress row row of t ends:
@@ -206,13 +240,14 @@ func acquireSQL(t tableName) statement {
 	// order, the same on every instance, so that batches never
 	// deadlock on each other's row locks.
 	// The server's primary_since is read once, and only by a statement
-	// that judges a lease.
+	// that judges a lease; the lookup it needs tells the note too
+	// whether the server has a row.
 	const since = "(SELECT since FROM primary_since)"
 	return newStatement(acquireColumns, func(rows string) string {
 		return fmt.Sprintf(`WITH input AS (
 	%[9]s
-), primary_since AS (
-	SELECT %[12]s AS since
+), %[12]s, primary_since AS (
+	SELECT %[13]s AS since FROM this_primary
 ), found AS (
 	SELECT i.n,
 		r.status = 'completed' AND r.expires_at > now() AS live,
@@ -266,7 +301,7 @@ LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
 LEFT JOIN found AS f ON f.n = i.n`,
 			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns,
 			leaseEndSQL(since, "r", "(excluded.locked_until - excluded.locked_at)"), microseconds, recordColumnNames, rows, notePrimarySQL(t),
-			leaseEndSQL(since, "r", "NULL::interval"), primarySinceSQL(t))
+			leaseEndSQL(since, "r", "NULL::interval"), thisPrimaryCTE(t), primarySinceFrom("first_seen"))
 	})
 }
 
