@@ -50,7 +50,19 @@ type requestHead struct {
 	// been read to its end. They reach the upstream (reverse_proxy
 	// forwards them), so they are part of the request.
 	Trailer http.Header
+	// ContentEncoding holds every Content-Encoding field: the same bytes
+	// gzipped or not are another body to the upstream.
+	ContentEncoding []string
+	// Override holds the values of each methodOverrideHeaders field, in
+	// that order: frameworks run the method they name instead of the
+	// request's.
+	Override [len(methodOverrideHeaders)][]string
 }
+
+// methodOverrideHeaders are the headers with which common frameworks
+// (Rails, Laravel, Express's method-override, Spring's filters) let a
+// POST stand for another method.
+var methodOverrideHeaders = [...]string{"X-Http-Method-Override", "X-Http-Method", "X-Method-Override"}
 
 // clientRequest returns r as the client sent it: Caddy keeps the request
 // from before any rewrite (handle_path, uri strip_prefix, rewrite) in the
@@ -80,12 +92,18 @@ func logHost(r *http.Request) string {
 func headOf(r *http.Request) requestHead {
 	orig := clientRequest(r)
 	return requestHead{
-		Method:      strings.ToUpper(orig.Method),
-		Host:        strings.ToLower(r.Host),
-		Path:        orig.URL.EscapedPath(),
-		RawQuery:    orig.URL.RawQuery,
-		ContentType: r.Header.Values("Content-Type"),
-		Trailer:     r.Trailer,
+		Method:          strings.ToUpper(orig.Method),
+		Host:            strings.ToLower(r.Host),
+		Path:            orig.URL.EscapedPath(),
+		RawQuery:        orig.URL.RawQuery,
+		ContentType:     r.Header.Values("Content-Type"),
+		Trailer:         r.Trailer,
+		ContentEncoding: r.Header.Values("Content-Encoding"),
+		Override: [...][]string{
+			r.Header.Values(methodOverrideHeaders[0]),
+			r.Header.Values(methodOverrideHeaders[1]),
+			r.Header.Values(methodOverrideHeaders[2]),
+		},
 	}
 }
 
@@ -95,6 +113,8 @@ const (
 	mediaParsed byte = 'p' // one field, as mime.ParseMediaType reads it
 	mediaRaw    byte = 'r' // several fields, or one that does not parse
 	trailers    byte = 't' // the trailers, before the body's tag
+	encoding    byte = 'e' // the Content-Encoding fields, after the trailers
+	override    byte = 'o' // the method override fields, after the encoding
 	bodyCanon   byte = 'c' // the body's canonical JSON form follows
 	bodyRaw     byte = 'b' // the body's bytes follow
 )
@@ -119,7 +139,8 @@ func (s *fingerprintState) release() {
 }
 
 // fingerprint identifies a request for contract step 4: SHA-256 over the
-// method, host, path, query, media type, trailers and body, where a JSON
+// method, host, path, query, media type, trailers, content coding,
+// method override headers and body, where a JSON
 // body is canonicalised so that member order and whitespace do not
 // matter.
 //
@@ -148,6 +169,8 @@ func fingerprint(h requestHead, body []byte) [32]byte {
 	}
 	buf = appendMediaType(buf, h.ContentType)
 	buf = appendTrailers(buf, h.Trailer)
+	buf = appendValues(buf, encoding, h.ContentEncoding)
+	buf = appendOverride(buf, h.Override)
 	canonical := false
 	if len(h.ContentType) == 1 && isJSONContentType(h.ContentType[0]) {
 		buf, canonical = s.canon.Append(append(buf, bodyCanon), body, s.hash)
@@ -234,6 +257,42 @@ func appendTrailers(dst []byte, trailer http.Header) []byte {
 		for _, v := range values {
 			dst = appendField(dst, v)
 		}
+	}
+	return dst
+}
+
+// appendValues appends tag and the framed values, if there are any: a
+// request without them frames as it did before they took part.
+func appendValues(dst []byte, tag byte, values []string) []byte {
+	if len(values) == 0 {
+		return dst
+	}
+	return appendFields(append(dst, tag), values)
+}
+
+// appendFields appends the number of values, then each, length-prefixed.
+func appendFields(dst []byte, values []string) []byte {
+	dst = binary.BigEndian.AppendUint64(dst, uint64(len(values)))
+	for _, v := range values {
+		dst = appendField(dst, v)
+	}
+	return dst
+}
+
+// appendOverride appends the framed method override fields, if any is
+// there: each header's values in the order of methodOverrideHeaders, so
+// that a value under one name never frames like the same under another.
+func appendOverride(dst []byte, fields [len(methodOverrideHeaders)][]string) []byte {
+	present := false
+	for _, values := range fields {
+		present = present || len(values) > 0
+	}
+	if !present {
+		return dst
+	}
+	dst = append(dst, override)
+	for _, values := range fields {
+		dst = appendFields(dst, values)
 	}
 	return dst
 }

@@ -160,3 +160,34 @@ func TestFingerprintUndecodablePaths(t *testing.T) {
 		}
 	})
 }
+
+// A retry that differs from the first request in its Content-Encoding or
+// in a method override header would do something else upstream: 409.
+func TestFingerprintContentCodingAndOverrideThroughCaddy(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr())
+		for _, tc := range []struct {
+			name          string
+			first, second map[string]string
+		}{
+			{"gzip, then identity", map[string]string{"Content-Encoding": "gzip"}, nil},
+			{"identity, then gzip", nil, map[string]string{"Content-Encoding": "gzip"}},
+			{"override to DELETE, then none", map[string]string{"X-HTTP-Method-Override": "DELETE"}, nil},
+			{"X-HTTP-Method DELETE, then none", map[string]string{"X-HTTP-Method": "DELETE"}, nil},
+			{"none, then X-Method-Override DELETE", nil, map[string]string{"X-Method-Override": "DELETE"}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				key := newKey()
+				n := up.Count()
+				c := call{Key: key, ContentType: "application/octet-stream", Body: []byte("\x1f\x8b\x08 same bytes"), Header: tc.first}
+				first := s.Do(t, c)
+				wantExecuted(t, first, http.StatusCreated)
+				wantReplayOf(t, s.Do(t, c), first)
+				c.Header = tc.second
+				wantProblem(t, s.Do(t, c), http.StatusConflict)
+				wantCount(t, up, n+1)
+			})
+		}
+	})
+}

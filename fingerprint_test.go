@@ -248,3 +248,47 @@ func TestFingerprintTrailers(t *testing.T) {
 		t.Error("trailer names are case-insensitive and unordered, but fingerprint apart")
 	}
 }
+
+// TestFingerprintContentCodingAndOverride: the request's Content-Encoding
+// and the method override headers change what the upstream does with
+// the request, so a retry that differs in them is another request; one
+// without them fingerprints as before they took part.
+func TestFingerprintContentCodingAndOverride(t *testing.T) {
+	fp := func(header http.Header) [32]byte {
+		r, err := http.NewRequest("POST", "http://api.example/v1/charges", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Header = header
+		return fingerprint(headOf(r), []byte("\x1f\x8b opaque bytes"))
+	}
+	none := fp(http.Header{"Content-Type": {"application/octet-stream"}})
+	plain := requestHead{Method: "POST", Host: "api.example", Path: "/v1/charges", ContentType: []string{"application/octet-stream"}}
+	if none != fingerprint(plain, []byte("\x1f\x8b opaque bytes")) {
+		t.Fatal("a request without Content-Encoding or an override fingerprints otherwise than before they took part")
+	}
+	seen := map[[32]byte]string{none: "none"}
+	for _, c := range []struct {
+		name   string
+		header http.Header
+	}{
+		{"gzip", http.Header{"Content-Encoding": {"gzip"}}},
+		{"br", http.Header{"Content-Encoding": {"br"}}},
+		{"gzip, br in one field", http.Header{"Content-Encoding": {"gzip, br"}}},
+		{"gzip and br in two", http.Header{"Content-Encoding": {"gzip", "br"}}},
+		{"X-HTTP-Method-Override", http.Header{"X-Http-Method-Override": {"DELETE"}}},
+		{"X-HTTP-Method", http.Header{"X-Http-Method": {"DELETE"}}},
+		{"X-Method-Override", http.Header{"X-Method-Override": {"DELETE"}}},
+		{"X-HTTP-Method-Override PUT", http.Header{"X-Http-Method-Override": {"PUT"}}},
+		{"two overrides", http.Header{"X-Http-Method-Override": {"DELETE"}, "X-Method-Override": {"DELETE"}}},
+		{"an empty override", http.Header{"X-Http-Method-Override": {""}}},
+		{"gzip and an override", http.Header{"Content-Encoding": {"gzip"}, "X-Http-Method-Override": {"DELETE"}}},
+	} {
+		c.header.Set("Content-Type", "application/octet-stream")
+		got := fp(c.header)
+		if prev, dup := seen[got]; dup {
+			t.Errorf("%s fingerprints like %s", c.name, prev)
+		}
+		seen[got] = c.name
+	}
+}

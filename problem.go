@@ -72,7 +72,7 @@ var (
 		Type:   problemTypeBase + "key-reused",
 		Title:  "Idempotency-Key reused",
 		Status: http.StatusConflict,
-		Detail: "this Idempotency-Key was already used with a different request (method, host, path, query, media type, trailers or body); use a new key for a new request",
+		Detail: "this Idempotency-Key was already used with a different request (method, host, path, query, media type, content coding, trailers or body); use a new key for a new request",
 	}
 	probInProgress = problem{
 		Type:   problemTypeBase + "in-progress",
