@@ -55,6 +55,7 @@ fuzz:
 
 # The benchmark (bench/, docs/performance.md): every row side by side on
 # this machine, with the ratios of issue 5, then the micro-benchmarks.
+# Rows 2b and 3b go through PgBouncer, when it is installed.
 # BENCH_DURATION, BENCH_CONCURRENCY and BENCH_DSN override the defaults.
 .PHONY: bench bench-quick bench-scale bench-pools bench-micro
 bench:

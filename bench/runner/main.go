@@ -5,7 +5,9 @@
 //
 //	1   baseline: reverse_proxy to the upstream, no idempotency
 //	2   first execution, Postgres store (a new key per request)
+//	2b  row 2 through PgBouncer, pool_mode = transaction (pooler.go)
 //	3   replay, Postgres store, replay cache off (keys completed beforehand)
+//	3b  row 3 through PgBouncer
 //	4   replay, Postgres store, replay cache on
 //	5a  first execution, memory store
 //	5b  replay, memory store
@@ -21,8 +23,9 @@
 //	    statements, as an outside measurement of the SQL alone runs them
 //
 // and prints requests/s, p50, p99 and Caddy's CPU per request for each,
-// and the issue's ratios,
-// computed from figures of this run only. -scale adds the scale runs
+// the issue's ratios and those of the pooled rows to the direct ones,
+// computed from figures of this run only. Rows 2b and 3b need PgBouncer:
+// without it, the report says that they were not run. -scale adds the scale runs
 // (5M rows, pruning 1M expired rows under load, RSS under 64 concurrent
 // 1 MiB bodies); -pools sweeps the Postgres pool size.
 //
@@ -66,6 +69,7 @@ type config struct {
 	rows        string
 	keep        bool
 	rounds      int
+	pgbouncer   string
 }
 
 // appDSN is the DSN with an application_name that lets the CPU sampler
@@ -107,6 +111,7 @@ func main() {
 	flag.StringVar(&cfg.rows, "rows", "", "run only these rows of the main table (e.g. 1,2,6); the ratios need their rows")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the benchmark's tables")
 	flag.IntVar(&cfg.rounds, "rounds", 2, "measure every row this many times and keep each row's best round")
+	flag.StringVar(&cfg.pgbouncer, "pgbouncer", "", "PgBouncer binary of rows 2b and 3b (default: on PATH or /usr/sbin/pgbouncer; off: skip them)")
 	flag.Parse()
 	if cfg.quick {
 		// Shorter everything, but what the command line says.
@@ -190,6 +195,11 @@ func run(ctx context.Context, cfg config) error {
 	if cfg.pools != "" {
 		return b.poolSweep(ctx, run, tables, env, started)
 	}
+	defer func() {
+		if b.pooler != nil {
+			b.pooler.stop(logs)
+		}
+	}()
 
 	// Every row is measured in each round and its best round kept: the
 	// machine's other tenants (a compiler, a test run) only ever slow a
@@ -206,8 +216,9 @@ func run(ctx context.Context, cfg config) error {
 		rounds = append(rounds, rows)
 	}
 	rows := bestRounds(rounds)
-	report := &report{Env: env, Config: reportConfig(cfg), Rows: rows, Started: started.UTC()}
+	report := &report{Env: env, Config: reportConfig(cfg), Rows: rows, Started: started.UTC(), PoolerMissing: b.poolerMissing}
 	report.Ratios = ratios(rows)
+	report.Pooled = pooledRatios(rows)
 	if cfg.scale {
 		sc, err := b.scaleRuns(ctx, run, tables, rows)
 		if err != nil {
@@ -364,6 +375,10 @@ func (b *bench) proxySite() string {
 }
 
 func (b *bench) postgresSite(table, extra string) string {
+	return b.postgresSiteDSN(b.cfg.appDSN(), table, extra)
+}
+
+func (b *bench) postgresSiteDSN(dsn, table, extra string) string {
 	return fmt.Sprintf(`	idempotency {
 		store postgres {
 			dsn %q
@@ -372,7 +387,7 @@ func (b *bench) postgresSite(table, extra string) string {
 		prune_interval 0
 		%s
 	}
-	reverse_proxy %s`, b.cfg.appDSN(), table, "", extra, b.upstream)
+	reverse_proxy %s`, dsn, table, "", extra, b.upstream)
 }
 
 func (b *bench) postgresSitePool(table string, maxConns int, extra string) string {
@@ -438,6 +453,26 @@ func (b *bench) httpRow(ctx context.Context, id, what, site string, args ...stri
 	defer c.stop()
 	m, err := b.runLoad(ctx, "row"+id, c.addr, b.cfg.warmup, nil, append(b.timing(), args...)...)
 	return row{ID: id, What: what, measurement: m}, err
+}
+
+// pooledDSN is the store's DSN through PgBouncer, which it starts at the
+// first pooled row of the run. Without PgBouncer, it notes why in
+// b.poolerMissing, for the report, and returns false.
+func (b *bench) pooledDSN() (string, bool) {
+	if b.pooler == nil && b.poolerMissing == "" {
+		bin, err := findPgBouncer(b.cfg.pgbouncer)
+		if err == nil {
+			b.pooler, err = b.startPooler(bin)
+		}
+		if err != nil {
+			b.poolerMissing = err.Error()
+			progress("rows 2b, 3b: not run: %s", b.poolerMissing)
+		}
+	}
+	if b.pooler == nil {
+		return "", false
+	}
+	return b.pooler.dsn, true
 }
 
 func (b *bench) ceilingRow(ctx context.Context, id, what, mode string, env map[string]string) (row, error) {
@@ -522,8 +557,16 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 			return nil, err
 		}
 	}
+	if selected("2b") {
+		if dsn, ok := b.pooledDSN(); ok {
+			if err := add(b.httpRow(ctx, "2b", "first execution, Postgres via PgBouncer", b.postgresSiteDSN(dsn, t.main, ""),
+				firstArgs(run.name("2b"))...)); err != nil {
+				return nil, err
+			}
+		}
+	}
 	replayKeys := run.name("3")
-	if selected("3") || selected("4") || selected("7a") || selected("7c") || selected("7d") {
+	if selected("3") || selected("3b") || selected("4") || selected("7a") || selected("7c") || selected("7d") {
 		progress("row 3: completing %d keys for the replay rows", keys)
 		c, err := b.startCaddy("row3", b.postgresSite(t.main, "replay_cache off"))
 		if err != nil {
@@ -543,6 +586,14 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 		}()
 		if err != nil {
 			return nil, err
+		}
+	}
+	if selected("3b") {
+		if dsn, ok := b.pooledDSN(); ok {
+			if err := add(b.httpRow(ctx, "3b", "replay, Postgres via PgBouncer, cache off", b.postgresSiteDSN(dsn, t.main, "replay_cache off"),
+				replayArgs(replayKeys, keys)...)); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if selected("4") {
@@ -605,7 +656,7 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 			}
 		}
 	}
-	order := []string{"1", "2", "3", "4", "5a", "5b", "6", "6b", "6p", "7a", "7b", "7c", "7d", "7p"}
+	order := []string{"1", "2", "2b", "3", "3b", "4", "5a", "5b", "6", "6b", "6p", "7a", "7b", "7c", "7d", "7p"}
 	sorted := make([]row, 0, len(rows))
 	for _, id := range order {
 		for _, r := range rows {

@@ -26,6 +26,10 @@ type bench struct {
 	upstream string // host:port
 	sampler  *cpuSampler
 	upProc   *exec.Cmd
+	// pooler is rows 2b and 3b's PgBouncer, once started, or
+	// poolerMissing why there is none.
+	pooler        *pooler
+	poolerMissing string
 }
 
 // freePort returns a port on 127.0.0.1 that nothing listens on now.

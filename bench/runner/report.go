@@ -13,7 +13,11 @@ type report struct {
 	Config  map[string]any `json:"config"`
 	Rows    []row          `json:"rows"`
 	Ratios  []ratio        `json:"ratios"`
-	Scale   *scaleReport   `json:"scale,omitempty"`
+	// Pooled compares rows 2b and 3b with rows 2 and 3; PoolerMissing
+	// says why they were not run.
+	Pooled        []pooledRatio `json:"pooled,omitempty"`
+	PoolerMissing string        `json:"pooler_missing,omitempty"`
+	Scale         *scaleReport  `json:"scale,omitempty"`
 }
 
 func reportConfig(cfg config) map[string]any {
@@ -43,7 +47,50 @@ type ratio struct {
 // ourCPU is the CPU the benchmark's own processes used during a row, in
 // cores.
 func ourCPU(cpu map[string]float64) float64 {
-	return cpu["caddy"] + cpu["loadgen"] + cpu["upstream"] + cpu["postgres"] + cpu["pgx client"]
+	return cpu["caddy"] + cpu["loadgen"] + cpu["upstream"] + cpu["postgres"] + cpu["pgx client"] + cpu["pooler"]
+}
+
+// pooledRatio is a row through PgBouncer over the same row direct.
+type pooledRatio struct {
+	What    string  `json:"what"`
+	Formula string  `json:"formula"`
+	RPS     float64 `json:"rps_ratio"`
+	PerCPU  float64 `json:"per_cpu,omitempty"`
+	// CaddyMicros and PostgresMicros are Caddy's and Postgres's CPU per
+	// request, direct and pooled: a statement that a pooled connection
+	// cannot keep prepared is parsed and planned by every execution.
+	CaddyMicros    [2]float64 `json:"caddy_us"`
+	PostgresMicros [2]float64 `json:"postgres_us"`
+}
+
+func pooledRatios(rows []row) []pooledRatio {
+	byID := map[string]row{}
+	for _, r := range rows {
+		byID[r.ID] = r
+	}
+	var out []pooledRatio
+	for _, p := range []struct{ what, direct, pooled string }{
+		{"first execution, Postgres", "2", "2b"},
+		{"replay, Postgres, no cache", "3", "3b"},
+	} {
+		d, okd := byID[p.direct]
+		q, okq := byID[p.pooled]
+		if !okd || !okq || d.RPS <= 0 {
+			continue
+		}
+		r := pooledRatio{What: p.what, Formula: p.pooled + " / " + p.direct, RPS: q.RPS / d.RPS}
+		if cd, cq := ourCPU(d.CPU), ourCPU(q.CPU); cd > 0 && cq > 0 {
+			r.PerCPU = (q.RPS / cq) / (d.RPS / cd)
+		}
+		for i, x := range []row{d, q} {
+			if x.RPS > 0 {
+				r.CaddyMicros[i] = x.CPU["caddy"] / x.RPS * 1e6
+				r.PostgresMicros[i] = x.CPU["postgres"] / x.RPS * 1e6
+			}
+		}
+		out = append(out, r)
+	}
+	return out
 }
 
 // compose is the issue's L(a, b) = 1/(1/a + 1/b): the throughput of a row
@@ -124,11 +171,25 @@ func (r *report) print(w io.Writer) {
 	fmt.Fprintf(w, "machine: %s, %d CPUs; %s; Postgres %s (%s)\n", e.Machine, e.CPUs, e.Go, e.Postgres, e.PGSettings)
 	fmt.Fprintf(w, "load: %v concurrent, %s per row after %s warmup; request ~500 B JSON, response ~1 KiB JSON; replays cycle %v keys\n\n",
 		r.Config["concurrency"], r.Config["duration"], r.Config["warmup"], r.Config["replay_keys"])
-	fmt.Fprintf(w, "%-4s %-46s %9s %8s %8s %6s %9s   %s\n", "row", "what", "req/s", "p50", "p99", "errors", "caddy µs", "CPU (cores): caddy gen upstream pg client | other")
+	fmt.Fprintf(w, "%-4s %-46s %9s %8s %8s %6s %9s   %s\n", "row", "what", "req/s", "p50", "p99", "errors", "caddy µs", "CPU (cores): caddy gen upstream pg client pooler | other")
 	for _, row := range r.Rows {
 		fmt.Fprintf(w, "%-4s %-46s %9.0f %8s %8s %6d %9s   %s\n", row.ID, row.What, row.RPS, ms(row.P50), ms(row.P99), row.Errors, caddyMicros(row), cpuLine(row.CPU))
 	}
 	fmt.Fprintf(w, "caddy µs: Caddy's CPU time per request (user + system, all cores), the cost this module adds to a row\n")
+	if len(r.Pooled) > 0 {
+		fmt.Fprintf(w, "\nthrough PgBouncer (pool_mode = transaction, default_query_exec_mode = cache_describe) over direct, this run:\n")
+		for _, p := range r.Pooled {
+			perCPU := ""
+			if p.PerCPU > 0 {
+				perCPU = fmt.Sprintf("   [per core-second: %.2f]", p.PerCPU)
+			}
+			fmt.Fprintf(w, "  %-44s %-14s %5.2f req/s   caddy µs %.0f direct, %.0f pooled; postgres µs %.0f, %.0f%s\n",
+				p.What, p.Formula, p.RPS, p.CaddyMicros[0], p.CaddyMicros[1], p.PostgresMicros[0], p.PostgresMicros[1], perCPU)
+		}
+	}
+	if r.PoolerMissing != "" {
+		fmt.Fprintf(w, "\nrows 2b and 3b (through PgBouncer) were NOT run: %s\n", r.PoolerMissing)
+	}
 	if len(r.Rows) > 0 && len(r.Rows[0].Rounds) > 1 {
 		var parts []string
 		for _, row := range r.Rows {
@@ -178,7 +239,7 @@ func cpuLine(cpu map[string]float64) string {
 		}
 		return fmt.Sprintf("%4.2f", v)
 	}
-	return fmt.Sprintf("%s %s %s %s %s | %s", f("caddy"), f("loadgen"), f("upstream"), f("postgres"), f("pgx client"), f("other"))
+	return fmt.Sprintf("%s %s %s %s %s %s | %s", f("caddy"), f("loadgen"), f("upstream"), f("postgres"), f("pgx client"), f("pooler"), f("other"))
 }
 
 // caddyMicros is Caddy's CPU per request of a row, in microseconds: the

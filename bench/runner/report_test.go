@@ -78,3 +78,32 @@ func TestBestRounds(t *testing.T) {
 		t.Errorf("rounds kept: %v %v", got[0].Rounds, got[1].Rounds)
 	}
 }
+
+func TestPooledRatios(t *testing.T) {
+	rows := []row{
+		{ID: "2", measurement: measurement{Result: load.Result{RPS: 1000}, CPU: map[string]float64{"caddy": 0.5, "postgres": 0.5}}},
+		{ID: "2b", measurement: measurement{Result: load.Result{RPS: 800}, CPU: map[string]float64{"caddy": 0.48, "postgres": 0.6, "pooler": 0.02}}},
+		{ID: "3", measurement: measurement{Result: load.Result{RPS: 4000}}},
+	}
+	got := pooledRatios(rows)
+	if len(got) != 1 || got[0].Formula != "2b / 2" {
+		t.Fatalf("pooled ratios %+v, want 2b / 2 alone (row 3b was not run)", got)
+	}
+	p := got[0]
+	if math.Abs(p.RPS-0.8) > 1e-9 || math.Abs(p.PerCPU-(800/1.1)/(1000/1.0)) > 1e-9 ||
+		math.Abs(p.CaddyMicros[0]-500) > 1e-9 || math.Abs(p.CaddyMicros[1]-600) > 1e-9 ||
+		math.Abs(p.PostgresMicros[0]-500) > 1e-9 || math.Abs(p.PostgresMicros[1]-750) > 1e-9 {
+		t.Errorf("2b / 2: %+v", p)
+	}
+
+	var out bytes.Buffer
+	(&report{Rows: rows, Pooled: got, Config: map[string]any{}}).print(&out)
+	if !strings.Contains(out.String(), "through PgBouncer") || !strings.Contains(out.String(), "0.80 req/s") {
+		t.Errorf("report lacks the pooled ratio:\n%s", out.String())
+	}
+	out.Reset()
+	(&report{Rows: rows, PoolerMissing: "pgbouncer is not installed", Config: map[string]any{}}).print(&out)
+	if !strings.Contains(out.String(), "NOT run: pgbouncer is not installed") {
+		t.Errorf("report does not say that the pooled rows were not run:\n%s", out.String())
+	}
+}
