@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/sha256"
 	"fmt"
+	"net"
 	"net/http"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,9 +20,26 @@ import (
 // then the replay. The owner that died (its Caddy killed) is taken over
 // all the same, but only once the restarted server has been up for
 // lock_timeout.
+//
+// A crash restart is the same outage without a new start time or
+// timeline: one backend killed makes the postmaster stop every process and
+// recover. Its recovery is held long here by keeping the instances from
+// the server (a forwarder that refuses them), as a large WAL would.
 func TestRestartLongerThanLease(t *testing.T) {
+	t.Run("restart", func(t *testing.T) { testRestartLongerThanLease(t, false) })
+	t.Run("crash restart", func(t *testing.T) { testRestartLongerThanLease(t, true) })
+}
+
+func testRestartLongerThanLease(t *testing.T, crash bool) {
 	const lock = 2 * time.Second
 	pg, _ := startPGPrimary(t, "''")
+	dsn := pg.PrimaryDSN()
+	var fw *tcpForwarder
+	if crash {
+		fw = newTCPForwarder(t, fmt.Sprintf("127.0.0.1:%d", pg.PrimaryPort))
+		_, port, _ := net.SplitHostPort(fw.Addr())
+		dsn = "postgres://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable"
+	}
 	up := newUpstream(t)
 	var sites [3]*site
 	var procs [3]*caddyProc
@@ -37,7 +56,7 @@ func TestRestartLongerThanLease(t *testing.T) {
 	}
 	reverse_proxy %s
 }
-`, port, pg.PrimaryDSN(), lock, up.Addr()))
+`, port, dsn, lock, up.Addr()))
 		sites[i] = procSite(t, procs[i], port)
 	}
 	owned := call{Key: newKey(), Body: payBody(), Header: sleepFor(1500 * time.Millisecond)}
@@ -54,13 +73,23 @@ func TestRestartLongerThanLease(t *testing.T) {
 	up.WaitStarted(t, 2)
 	procs[2].Kill(t)
 
-	pg.KillPrimary(t)
 	// The owner's upstream answers while the server is down, and its lease,
 	// dated by the last renewal, runs out.
-	time.Sleep(2 * lock)
+	down := time.Now()
+	if crash {
+		fw.Cut()
+		crashBackend(t, pg.PrimaryDSN())
+	} else {
+		pg.KillPrimary(t)
+	}
+	time.Sleep(time.Until(down.Add(2 * lock)))
 	restart := time.Now()
-	pg.StartPrimary(t)
-	t.Logf("the server was down for %v", time.Since(restart).Round(10*time.Millisecond)+2*lock)
+	if crash {
+		fw.Restore()
+	} else {
+		pg.StartPrimary(t)
+	}
+	t.Logf("the server was down for %v", time.Since(down).Round(10*time.Millisecond))
 
 	// Retries of both keys on the instance that owns neither.
 	var ownedRetried, takenOver reply
@@ -132,9 +161,47 @@ func primaryLongUp(t testing.TB, dsn, table string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgExec(t, dsn, `INSERT INTO `+tn.primariesTable()+` (system_identifier, timeline, first_seen)
-	SELECT `+thisPrimarySQL+`, '-infinity'
-	ON CONFLICT (system_identifier, timeline) DO UPDATE SET first_seen = excluded.first_seen`)
+	pgExec(t, dsn, `INSERT INTO `+tn.primariesTable()+` (system_identifier, timeline, started, first_seen)
+	SELECT `+thisPrimarySQL+`, `+serverStartSQL+`, '-infinity'
+	ON CONFLICT (system_identifier, timeline) DO UPDATE SET started = excluded.started, first_seen = excluded.first_seen`)
+}
+
+// crashBackend kills one backend of the server at dsn with SIGKILL, as the
+// OOM killer would, and returns once the server, restarted by its
+// postmaster after crash recovery, accepts connections again.
+func crashBackend(t testing.TB, dsn string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const started = "SELECT " + serverStartSQL
+	var pid int
+	var before time.Time
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), "+serverStartSQL).Scan(&pid, &before); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = conn.Close(ctx)
+	for {
+		var after time.Time
+		c, err := pgx.Connect(ctx, dsn)
+		if err == nil {
+			err = c.QueryRow(ctx, started).Scan(&after)
+			_ = c.Close(ctx)
+		}
+		switch {
+		case err == nil && after.After(before):
+			return
+		case ctx.Err() != nil:
+			t.Fatalf("the server did not come back from its crash (its start %v, then %v): %v", before, after, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // acquireOn runs the store's acquire of table for one new key on conn,

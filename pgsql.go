@@ -72,43 +72,58 @@ const thisPrimarySQL = `(SELECT COALESCE(NULLIF(current_setting('` + systemIdent
 // system identifier (thisPrimarySQL).
 const systemIdentifierSetting = "idempotency.system_identifier"
 
+// serverStartSQL is when the server last started: the postmaster's
+// start, or its recovery from a crash, the later. After a crash (a backend
+// killed), the postmaster restarts every process and recovers without a
+// new start time or timeline, but recovery discards the statistics and
+// dates their reset (migration 0005). A reset by hand of the bgwriter's
+// statistics also counts as a start: it delays takeovers by a lease.
+const serverStartSQL = `GREATEST(pg_postmaster_start_time(), pg_stat_get_bgwriter_stat_reset_time())`
+
 // primarySinceSQL is when the server became the primary that it is now:
-// its start, or the first acquire that it served on its timeline, the
-// later. Without a row for its timeline (a standby promoted, that no
-// acquire has reached yet, or a standby), it is now(): time spent before
-// is not known to have been spent as this primary.
+// the first acquire that it served on its timeline since it last started
+// (serverStartSQL). Without such a row (a standby promoted, or a server
+// restarted, that no acquire has reached yet, or a standby), it is
+// now(): time spent before is not known to have been spent as this
+// primary, up.
 func primarySinceSQL(t tableName) string {
-	return primarySinceFrom(fmt.Sprintf(`(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (%s))`,
-		t.primariesTable(), thisPrimarySQL))
+	return primarySinceFrom(fmt.Sprintf(`(SELECT p.first_seen FROM %s AS p
+	WHERE (p.system_identifier, p.timeline) = (%s) AND p.started >= %s)`,
+		t.primariesTable(), thisPrimarySQL, serverStartSQL))
 }
 
 // primarySinceFrom is primarySinceSQL with firstSeen, the first_seen of
-// the server's row in the primaries table (NULL without one).
+// the server's row in the primaries table since its last start (NULL
+// without one).
 func primarySinceFrom(firstSeen string) string {
-	return `GREATEST(pg_postmaster_start_time(), COALESCE(` + firstSeen + `, now()))`
+	return `COALESCE(` + firstSeen + `, now())`
 }
 
 // thisPrimaryCTE is the WITH query, named this_primary, of a statement
 // that judges leases and notes the primary (acquire): the server's
-// system identifier, its timeline and the first_seen of its row, looked
-// up once for both.
+// system identifier, its timeline, its last start and the first_seen of
+// its row since that start, looked up once for both.
 func thisPrimaryCTE(t tableName) string {
 	return fmt.Sprintf(`this_primary AS (
-	SELECT s.system_identifier, s.timeline,
-		(SELECT p.first_seen FROM %s AS p WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline)) AS first_seen
-	FROM (SELECT %s) AS s (system_identifier, timeline)
-)`, t.primariesTable(), thisPrimarySQL)
+	SELECT s.system_identifier, s.timeline, s.started,
+		(SELECT p.first_seen FROM %s AS p
+			WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline) AND p.started >= s.started) AS first_seen
+	FROM (SELECT %s, %s) AS s (system_identifier, timeline, started)
+)`, t.primariesTable(), thisPrimarySQL, serverStartSQL)
 }
 
-// notePrimarySQL adds the server's row to the primaries table if
-// this_primary (thisPrimaryCTE) found none: a data-modifying WITH query
-// of acquire. Its row is not seen by the statement that adds it (one
-// snapshot), which judges leases as if there were none.
+// notePrimarySQL notes the server in the primaries table if this_primary
+// (thisPrimaryCTE) found no row since its last start: a data-modifying
+// WITH query of acquire. Its row is not seen by the statement that
+// writes it (one snapshot), which judges leases as if there were none.
+// Of acquires racing after a start, one rewrites the row; the others'
+// updates find it current.
 func notePrimarySQL(t tableName) string {
-	return fmt.Sprintf(`INSERT INTO %s AS p (system_identifier, timeline, first_seen)
-	SELECT system_identifier, timeline, now() FROM this_primary
+	return fmt.Sprintf(`INSERT INTO %s AS p (system_identifier, timeline, started, first_seen)
+	SELECT system_identifier, timeline, started, now() FROM this_primary
 	WHERE timeline IS NOT NULL AND first_seen IS NULL
-	ON CONFLICT DO NOTHING`, t.primariesTable())
+	ON CONFLICT (system_identifier, timeline) DO UPDATE SET started = excluded.started, first_seen = excluded.first_seen
+	WHERE p.started IS NULL OR p.started < excluded.started`, t.primariesTable())
 }
 
 // leaseEndSQL is when the lease of the in-progress row row of t ends:
