@@ -55,7 +55,8 @@ const (
 // cookies and credentials belong to the first response only, and
 // hop-by-hop headers describe the first connection, not the response.
 // The header that a handler reads its credential from is excluded too
-// (Provision).
+// (Provision), and so are those a response's Connection field names
+// (recorder.response).
 var alwaysExcluded = []string{
 	"Set-Cookie", "Set-Cookie2", "Cookie", "Authorization", "Proxy-Authorization",
 	"Authentication-Info", "Proxy-Authentication-Info",

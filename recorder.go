@@ -148,9 +148,10 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 		rec.addTrailers(header)
 	}
 	size := rec.size
+	hop := connectionNamed(header)
 	for name, values := range header {
 		canonical := http.CanonicalHeaderKey(strings.TrimPrefix(name, trailerPrefix))
-		if _, skip := excluded[canonical]; skip {
+		if _, skip := excluded[canonical]; skip || hop[canonical] {
 			delete(header, name)
 			continue
 		}
@@ -175,6 +176,25 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 		}
 	}
 	return resp
+}
+
+// connectionNamed returns the headers that the Connection fields of
+// header name: hop-by-hop too (RFC 9110 7.6.1), they describe the first
+// connection, not the response, so they are never stored. Nil for a
+// response without them, the usual case.
+func connectionNamed(header http.Header) map[string]bool {
+	var named map[string]bool
+	for _, v := range header["Connection"] {
+		for _, name := range strings.Split(v, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				if named == nil {
+					named = make(map[string]bool)
+				}
+				named[http.CanonicalHeaderKey(name)] = true
+			}
+		}
+	}
+	return named
 }
 
 // addTrailers files the trailers the next handler set after the body

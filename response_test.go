@@ -585,3 +585,56 @@ func TestExcludedHeadersAreNotReplayed(t *testing.T) {
 		}
 	})
 }
+
+// The headers that a response's Connection field names are hop-by-hop
+// (RFC 9110 7.6.1), like Connection itself: never stored nor replayed.
+func TestConnectionNamedHeadersAreNotReplayed(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		port := freeTCPPort(t)
+		s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
+	route {
+		idempotency {
+			%s
+		}
+		header Connection "X-Conn-Secret, x-other-hop"
+		header X-Conn-Secret s
+		header X-Other-Hop o
+		header X-Kept k
+		respond "paid" 201
+	}
+}
+`, port, sb.Block()))
+		c := call{Key: newKey(), Body: payBody()}
+		first := s.Do(t, c)
+		if first.Status != http.StatusCreated || first.replayed() {
+			t.Fatalf("want the first answer, got %s", first)
+		}
+		replay := s.Do(t, c)
+		if !replay.replayed() || !bytes.Equal(replay.Body, first.Body) {
+			t.Fatalf("want a replay, got %s", replay)
+		}
+		for _, h := range []string{"X-Conn-Secret", "X-Other-Hop"} {
+			if v := replay.Header.Values(h); len(v) != 0 {
+				t.Errorf("replay carries %s, which Connection names: %q", h, v)
+			}
+		}
+		if got := replay.Header.Get("X-Kept"); got != "k" {
+			t.Errorf("replay X-Kept = %q, want k", got)
+		}
+	})
+}
+
+func TestConnectionNamed(t *testing.T) {
+	if got := connectionNamed(http.Header{"Content-Type": {"text/plain"}}); got != nil {
+		t.Errorf("no Connection field: %v, want nil", got)
+	}
+	got := connectionNamed(http.Header{"Connection": {"close, x-a ,X-B", "", "keep-alive"}})
+	for _, name := range []string{"Close", "X-A", "X-B", "Keep-Alive"} {
+		if !got[name] {
+			t.Errorf("%s not taken for named: %v", name, got)
+		}
+	}
+	if len(got) != 4 {
+		t.Errorf("named %v, want 4 names", got)
+	}
+}
