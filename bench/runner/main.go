@@ -272,7 +272,11 @@ func (t *tables) drop(ctx context.Context) {
 	}
 	defer conn.Close(ctx)
 	for _, name := range append([]string{t.main, t.store, t.pgbench, t.pools}, t.others...) {
-		_, _ = conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{name}.Sanitize())
+		// With the store's tables beside each: the credential secret's
+		// (migration 0003) and the primaries' (0004).
+		for _, suffix := range []string{"", "_secret", "_primaries"} {
+			_, _ = conn.Exec(ctx, "DROP TABLE IF EXISTS "+pgx.Identifier{name + suffix}.Sanitize())
+		}
 		_, _ = conn.Exec(ctx, "DELETE FROM idempotency_schema_migrations WHERE table_name = $1", name)
 	}
 }
