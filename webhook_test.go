@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/canonjson"
 	"github.com/stripe/stripe-go/v82"
 	"github.com/stripe/stripe-go/v82/webhook"
 )
@@ -445,6 +446,43 @@ func TestWebhookScopesShareATable(t *testing.T) {
 			if n := pgCount(t, sb); n != 1+len(headerSenders) {
 				t.Errorf("%d records, want %d: one per scope", n, 1+len(headerSenders))
 			}
+		}
+	})
+}
+
+// A body nested deeper than the canonicaliser goes is still read for its
+// key: the fingerprint hashes it raw, so its redeliveries, the same
+// bytes, replay. Only past encoding/json's own limit (10,000 levels) is
+// it not JSON to key_json: 400 #key-missing, nothing executed.
+func TestKeyJSONDeepBody(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		rc := newStripeReceiver(t)
+		s := stripeSite(t, sb, rc.URL, "")
+		start := time.Now()
+		nested := func(id string, depth int) []byte {
+			ev := stripeEvent(id)
+			deep := strings.Repeat("[", depth) + strings.Repeat("]", depth)
+			return append(append(ev[:len(ev)-1:len(ev)-1], `,"deep":`+deep...), '}')
+		}
+
+		id := "evt_" + randomHex(12)
+		body := nested(id, canonjson.MaxDepth+100)
+		first := rc.deliver(t, s, body, start)
+		if first.Status != http.StatusOK || first.replayed() {
+			t.Fatalf("first delivery of a body %d levels deep: %s", canonjson.MaxDepth+100, first)
+		}
+		wantReplayOf(t, rc.deliver(t, s, body, start.Add(time.Minute)), first)
+		if n := rc.count(id); n != 1 {
+			t.Errorf("event processed %d times, want 1", n)
+		}
+
+		id = "evt_" + randomHex(12)
+		p := wantProblem(t, rc.deliver(t, s, nested(id, 10_001), start), http.StatusBadRequest)
+		if !strings.HasSuffix(p.Type, "#key-missing") {
+			t.Errorf("problem %+v, want #key-missing", p)
+		}
+		if n := rc.count(id); n != 0 {
+			t.Errorf("event processed %d times, want 0", n)
 		}
 	})
 }
