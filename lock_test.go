@@ -234,10 +234,16 @@ func TestCompleteRetriesWhileLockHolds(t *testing.T) {
 // connection is cut (http.ErrAbortHandler) before the end of the
 // response reaches the client. Catches a handler that returned normally,
 // letting the client take an unrecorded answer for the final one.
+//
+// The completion is retried for execution_timeout plus lock_timeout (less
+// the last backoff, at most 1s), and no longer: 2s here (the defaults
+// make it 5 minutes).
 func TestFailedCompletionCutsTheResponse(t *testing.T) {
 	h, s, logs := lockHandler(t, time.Second)
+	h.ExecutionTimeout = caddy.Duration(time.Second)
 	s.beforeComplete = func() error { return errors.New("dial tcp 127.0.0.1:5432: connect: connection refused") }
 	var calls atomic.Int32
+	start := time.Now()
 	panicked := func() (p any) {
 		defer func() { p = recover() }()
 		serve(context.Background(), h, "complete-fails", created(&calls))
@@ -245,6 +251,9 @@ func TestFailedCompletionCutsTheResponse(t *testing.T) {
 	}()
 	if panicked != http.ErrAbortHandler {
 		t.Fatalf("the handler ended with %v, want a panic with http.ErrAbortHandler", panicked)
+	}
+	if took := time.Since(start); took < time.Second || took > 20*time.Second {
+		t.Errorf("the completion was given up after %v, want after execution_timeout + lock_timeout (2s), less a backoff", took)
 	}
 	if logs.FilterMessage("idempotency.store_error").Len() == 0 {
 		t.Errorf("the failed completion was not logged")
