@@ -226,12 +226,10 @@ func acquireOn(t *testing.T, conn *pgx.Conn, table string) Outcome {
 	return Outcome(outcome)
 }
 
-// The system identifier that the statements keep in their server
-// connection's session is the server's own, and the timeline is never
-// kept: a standby's connection that outlives its promotion (as a
-// pooler's do, and a standby's sessions are not ended by a promotion)
-// notes the new primary at its next acquire, and judges leases from
-// then (migration 0004).
+// The timeline is read by every statement: a standby's connection that
+// outlives its promotion (as a pooler's do, and a standby's sessions are
+// not ended by a promotion) notes the new primary at its next acquire,
+// and judges leases from then (migration 0004).
 func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 	pair := startPGPair(t, true, 0)
 	ctx := context.Background()
@@ -252,16 +250,13 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	var sysid, kept int64
+	var sysid int64
 	var timeline *int32
 	if err := conn.QueryRow(ctx, "SELECT "+thisPrimarySQL).Scan(&sysid, &timeline); err != nil {
 		t.Fatal(err)
 	}
-	if err := conn.QueryRow(ctx, "SELECT current_setting('"+systemIdentifierSetting+"')::bigint").Scan(&kept); err != nil {
-		t.Fatal(err)
-	}
-	if timeline != nil || kept != sysid {
-		t.Fatalf("on the standby: timeline %v, system identifier %d kept as %d; want no timeline, the identifier kept", timeline, sysid, kept)
+	if timeline != nil {
+		t.Fatalf("on the standby: timeline %v, want none", *timeline)
 	}
 
 	promoted := time.Now()
@@ -280,44 +275,5 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 	var sinceOK bool
 	if err := conn.QueryRow(ctx, "SELECT "+primarySinceSQL(tn)+" = (SELECT first_seen FROM idempotency_keys_primaries)").Scan(&sinceOK); err != nil || !sinceOK {
 		t.Fatalf("the promoted server's primary_since on that connection is not its row's first_seen (%v)", err)
-	}
-}
-
-// A session whose settings were reset (RESET ALL, or DISCARD ALL as a
-// session pooler runs between clients) has an empty setting for the kept
-// system identifier: the statements read it again rather than fail.
-func TestSystemIdentifierReadAgainAfterReset(t *testing.T) {
-	table := freshTable(t)
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, testDSN(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := Migrate(ctx, conn, table); err != nil {
-		t.Fatal(err)
-	}
-	var want int64
-	if err := conn.QueryRow(ctx, "SELECT system_identifier FROM pg_control_system()").Scan(&want); err != nil {
-		t.Fatal(err)
-	}
-	for _, reset := range []string{"", "RESET ALL", "DISCARD ALL"} {
-		if reset != "" {
-			if _, err := conn.Exec(ctx, reset); err != nil {
-				t.Fatal(err)
-			}
-			// DISCARD ALL drops the prepared statements that pgx keeps.
-			if err := conn.DeallocateAll(ctx); err != nil {
-				t.Fatal(err)
-			}
-		}
-		var got int64
-		var timeline *int32
-		if err := conn.QueryRow(ctx, "SELECT "+thisPrimarySQL).Scan(&got, &timeline); err != nil || got != want || timeline == nil {
-			t.Fatalf("after %q: system identifier %d, timeline %v (%v); want %d and the timeline", reset, got, timeline, err, want)
-		}
-		if got := acquireOn(t, conn, table); got != OutcomeCreated {
-			t.Fatalf("after %q: acquire outcome %d, want created", reset, got)
-		}
 	}
 }

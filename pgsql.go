@@ -49,28 +49,16 @@ func (t tableName) primariesTable() string {
 // of its row in the primaries table. The timeline is the current WAL
 // file's (a promotion starts a new one at once; pg_control's checkpoint
 // timeline changes only at the next checkpoint), read by every
-// statement. A standby has none: the CASE keeps pg_walfile_name, which
-// fails during recovery, from being called there.
-//
-// The system identifier is read once per server connection and kept in
-// a setting of its session (systemIdentifierSetting): pg_control_system()
-// reads pg_control from disk, tens of microseconds of the server's CPU,
-// twice per acquire, the most costly part of the statement's lease rule.
-// A server connection belongs to one server process, whose system
-// identifier never changes, so the kept value is always the server's own,
-// behind a transaction pooler too (whose clients share the connection).
-// It is never the timeline that is kept: a standby promoted keeps its
-// connections, and their next statements must see the new timeline. The
-// setting is empty after RESET ALL or DISCARD ALL, and gone after a
-// rolled back transaction that set it: then it is read again. The
-// subquery makes the value one the primaries table's index can look up.
-const thisPrimarySQL = `(SELECT COALESCE(NULLIF(current_setting('` + systemIdentifierSetting + `', true), '')::bigint,
-		(SELECT set_config('` + systemIdentifierSetting + `', system_identifier::text, false)::bigint FROM pg_control_system()))),
+// statement: a standby promoted keeps its connections, and their next
+// statements must see the new timeline. A standby has none: the CASE
+// keeps pg_walfile_name, which fails during recovery, from being called
+// there. pg_control_system() reads pg_control from disk, some
+// microseconds of the server's CPU: acquire reads it once
+// (thisPrimaryCTE). It is not kept in a session setting, which would be
+// cheaper: the store keeps no session state, for the poolers that share
+// server connections.
+const thisPrimarySQL = `(SELECT system_identifier FROM pg_control_system()),
 	CASE WHEN NOT pg_is_in_recovery() THEN ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int END`
-
-// systemIdentifierSetting is the session setting that keeps the server's
-// system identifier (thisPrimarySQL).
-const systemIdentifierSetting = "idempotency.system_identifier"
 
 // serverStartSQL is when the server last started: the postmaster's
 // start, or its recovery from a crash, the later. After a crash (a backend
