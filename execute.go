@@ -33,8 +33,8 @@ func (h *Handler) execute(q *request) error {
 	// the request's context, and Go's transport (HTTP/1 and HTTP/2)
 	// reports a connection before it writes anything to it.
 	trace := newReachTrace()
-	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(
-		withOwned(context.WithoutCancel(r.Context()), h.records, q.rk), &trace.trace))
+	ownedCtx, owned := withOwned(context.WithoutCancel(r.Context()), h.records, q.rk)
+	execCtx, cancel := context.WithCancel(httptrace.WithClientTrace(ownedCtx, &trace.trace))
 	defer cancel()
 	stopWatch := context.AfterFunc(r.Context(), func() {
 		t := time.NewTimer(time.Duration(h.ExecutionTimeout))
@@ -77,25 +77,25 @@ func (h *Handler) execute(q *request) error {
 	// its body or its response's copies, not both.
 	r.Body = http.NoBody
 
-	if refusedWithin(repl) && !trace.reached.Load() {
+	if (refusedWithin(repl) || owned.unexecuted.Load()) && !trace.reached.Load() {
 		// Nothing ran: the key is released, and the answer of the handler
 		// that refused stays the result, since the client got it.
 		ls.stop()
 		if !h.release(q, errRefusedWithin) {
 			repl.Set("http.idempotency.result", h.result(resultStoreError))
 		}
-		return err
+		return h.answerUnexecuted(q, rec, err)
 	}
 	if err != nil && !rec.wroteHeader {
 		_, proxied := repl.Get(upstreamPlaceholder)
 		if execCtx.Err() == nil && !trace.reached.Load() && nothingExecuted(err, proxied) {
 			ls.stop()
 			result := resultReleased
-			if !h.release(q, err) {
+			if !h.release(q, err, zap.Int("status", unexecutedStatus(err))) {
 				result = resultStoreError
 			}
 			repl.Set("http.idempotency.result", h.result(result))
-			return err
+			return h.answerUnexecuted(q, rec, err)
 		}
 	}
 	resp := rec.response(h.excluded)
@@ -142,6 +142,33 @@ func (h *Handler) execute(q *request) error {
 		panic(http.ErrAbortHandler)
 	}
 	return nil
+}
+
+// answerUnexecuted answers a request whose key was released because
+// nothing ran, when the next handler gave an error and no response,
+// instead of returning the error: Caddy would run the error routes
+// (handle_errors, a subroute's errors) on it, outside this handler's
+// protection, and a reverse_proxy fallback there would execute every
+// retry of the key. The status is the one Caddy would have sent. Shadow
+// mode changes no response: the error goes on as without the handler.
+func (h *Handler) answerUnexecuted(q *request, rec *recorder, err error) error {
+	markUnexecuted(q.r.Context())
+	if err == nil || rec.wroteHeader || h.Shadow {
+		return err
+	}
+	p := probNotExecuted.worded(h.words)
+	p.Status = unexecutedStatus(err)
+	p.write(rec, 0)
+	return nil
+}
+
+// unexecutedStatus is the status Caddy answers err with.
+func unexecutedStatus(err error) int {
+	var he caddyhttp.HandlerError
+	if errors.As(err, &he) && he.StatusCode >= 400 && he.StatusCode < 600 {
+		return he.StatusCode
+	}
+	return http.StatusInternalServerError
 }
 
 // statusClientClosedRequest is what reverse_proxy writes when its

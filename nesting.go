@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 )
@@ -41,13 +42,26 @@ type ownedRecord struct {
 	records string
 	key     RecordKey
 	outer   *ownedRecord
+	// unexecuted is set by a handler inside the owner that released its
+	// own record, nothing having run, and answered the request itself
+	// (answerUnexecuted): the owner has no answer to store either.
+	unexecuted atomic.Bool
 }
 
 // withOwned returns ctx noting that the request executes under the
-// record key of records.
-func withOwned(ctx context.Context, records string, key RecordKey) context.Context {
+// record key of records, and that note.
+func withOwned(ctx context.Context, records string, key RecordKey) (context.Context, *ownedRecord) {
 	outer, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord)
-	return context.WithValue(ctx, ownedCtxKey{}, &ownedRecord{records: records, key: key, outer: outer})
+	o := &ownedRecord{records: records, key: key, outer: outer}
+	return context.WithValue(ctx, ownedCtxKey{}, o), o
+}
+
+// markUnexecuted tells the handler around this one that owns a record
+// on the request's way, if any, that the request did not execute.
+func markUnexecuted(ctx context.Context) {
+	if o, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord); o != nil {
+		o.unexecuted.Store(true)
+	}
 }
 
 // ownedOnTheWay reports whether a handler that the request passed owns

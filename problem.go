@@ -97,6 +97,11 @@ var (
 		Status: http.StatusServiceUnavailable,
 		Detail: "the idempotency store could not be reached, so the request was not executed; retry after the Retry-After delay with the same Idempotency-Key",
 	}
+	probNotExecuted = problem{
+		Type:   problemTypeBase + "not-executed",
+		Title:  "Request not executed",
+		Detail: "the request could not be executed (the upstream could not be reached, or a handler refused it before it reached one), so nothing was executed and the Idempotency-Key was released; retry with the same Idempotency-Key",
+	}
 	probOutcomeUnknown = problem{
 		Type:   problemTypeBase + "outcome-unknown",
 		Title:  "Outcome unknown",
@@ -126,7 +131,7 @@ func wordProblems(keyHeader, credentialHeader string) map[string]problemWording 
 	words := make(map[string]problemWording)
 	for _, p := range []problem{
 		probKeyMissing, probKeyMalformed, probKeyDuplicate, probBodyUnreadable, probBodyBudget, probKeyReused,
-		probInProgress, probNotReplayable, probStoreUnavailable, probOutcomeUnknown,
+		probInProgress, probNotReplayable, probStoreUnavailable, probNotExecuted, probOutcomeUnknown,
 	} {
 		words[p.Type] = problemWording{title: r.Replace(p.Title), detail: r.Replace(p.Detail), defaultDetail: p.Detail}
 	}

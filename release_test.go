@@ -159,7 +159,8 @@ func (failingRelease) Release(context.Context, RecordKey, LockToken) error {
 }
 
 // A release that the store refused leaves the record in progress: the
-// result says store_error, not released.
+// result says store_error, not released. The request is answered all the
+// same, not handed to the error routes.
 func TestFailedReleaseResultIsStoreError(t *testing.T) {
 	h, _, _ := lockHandler(t, 30*time.Second)
 	h.store = failingRelease{h.store}
@@ -174,8 +175,12 @@ func TestFailedReleaseResultIsStoreError(t *testing.T) {
 		calls.Add(1)
 		return caddyhttp.Error(http.StatusBadGateway, dialErr)
 	})
-	if err := h.ServeHTTP(httptest.NewRecorder(), r, undialable); err == nil {
-		t.Fatal("the dial error was not returned")
+	w := httptest.NewRecorder()
+	if err := h.ServeHTTP(w, r, undialable); err != nil {
+		t.Fatalf("the dial error was returned (%v): Caddy's error routes would run on the request", err)
+	}
+	if w.Code != http.StatusBadGateway || !strings.Contains(w.Body.String(), "#not-executed") {
+		t.Errorf("answer %d %q, want the 502 #not-executed problem", w.Code, w.Body)
 	}
 	if got, _ := repl.GetString("http.idempotency.result"); got != resultStoreError {
 		t.Errorf("result %q after a failed release, want %q", got, resultStoreError)
