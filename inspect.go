@@ -59,6 +59,11 @@ type InspectedRecord struct {
 	Expired bool
 	// LeaseEnded: in progress, and its owner is gone (leaseEndSQL).
 	LeaseEnded bool
+	// LeaseEnds is when the lease of a record in progress ends by that
+	// rule: Record.LockedUntil, or later after an outage, which does not
+	// count against a lease (zero where the store cannot tell: then
+	// LockedUntil).
+	LeaseEnds time.Time
 	// Now is the store's clock when the record was read, for ages.
 	Now time.Time
 	// The stored sizes, which a listing gives without reading the
@@ -70,16 +75,24 @@ type InspectedRecord struct {
 // clock: its age, and its lease.
 func (ir InspectedRecord) lockState() string {
 	age := ir.Now.Sub(ir.Record.LockedAt).Round(time.Second)
-	until := ir.Record.LockedUntil
+	until := ir.leaseEnd()
 	switch {
-	case until.IsZero() && ir.LeaseEnded:
+	case ir.Record.LockedUntil.IsZero() && ir.LeaseEnded:
 		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), ended by lock_timeout", age)
-	case until.IsZero():
+	case ir.Record.LockedUntil.IsZero():
 		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), live by lock_timeout", age)
 	case ir.LeaseEnded:
 		return fmt.Sprintf("locked %s ago, lease ended %s ago at %s", age, ir.Now.Sub(until).Round(time.Second), until.Format(time.RFC3339))
 	}
 	return fmt.Sprintf("locked %s ago, lease live until %s (%s more)", age, until.Format(time.RFC3339), until.Sub(ir.Now).Round(time.Second))
+}
+
+// leaseEnd is when the lease of ir's record ends (LeaseEnds).
+func (ir InspectedRecord) leaseEnd() time.Time {
+	if ir.LeaseEnds.IsZero() {
+		return ir.Record.LockedUntil
+	}
+	return ir.LeaseEnds
 }
 
 // The refusals of releaseRecord, besides ErrNoRecord; its callers word
@@ -168,6 +181,9 @@ func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]Ins
 		ir := InspectedRecord{Key: rk, Record: rec.Record, Expired: !now.Before(rec.ExpiresAt), Now: now}
 		ir.Record.TTL = rec.ExpiresAt.Sub(now)
 		ir.LeaseEnded = rec.Status == StatusInProgress && rec.leaseEnded(now)
+		if rec.Status == StatusInProgress {
+			ir.LeaseEnds = rec.LockedUntil
+		}
 		if rec.Status == StatusCompleted {
 			body, headers := len(rec.response.data)-rec.response.headerEnd, rec.response.headerEnd
 			if !rec.response.replayable {
@@ -238,12 +254,13 @@ func (s *PostgresStore) InspectRecords(ctx context.Context, f RecordFilter) ([]I
 	var out []InspectedRecord
 	for _, p := range prefixes {
 		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
-	expires_at <= now(), status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$6::bigint"+microseconds)+` <= now(), now(),
+	expires_at <= now(), lease_ends <= now(), lease_ends, now(),
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	locked_at, locked_until, response_status, replayable, response_size,
 	octet_length(response_body), octet_length(COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8'))),
 	`+response+`
-FROM `+s.table.quoted()+` AS r
+FROM `+s.table.quoted()+` AS r,
+	LATERAL (SELECT CASE WHEN status = 'in_progress' THEN `+leaseEndSQL(primarySinceSQL(s.table), "r", "$6::bigint"+microseconds)+` END) AS l (lease_ends)
 WHERE credential_hash >= $1 AND ($2::bytea IS NULL OR credential_hash < $2)
 	AND ($3 = '' OR key = $3) AND ($4 = '' OR starts_with(key, $4))
 ORDER BY credential_hash, key
@@ -279,6 +296,8 @@ func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 		status                 string
 		ttl                    int64
 		lockedAt, lockedUntil  *time.Time
+		leaseEnded             *bool
+		leaseEnds              *time.Time
 		respStatus             *int32
 		replayable             *bool
 		respSize               *int64
@@ -286,12 +305,16 @@ func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 		respHeaders, respBody  []byte
 	)
 	err := row.Scan(&credHash, &ir.Key.Key, &status, &ir.Record.Method, &ir.Record.Path, &ir.Record.CreatedAt, &ir.Record.ExpiresAt,
-		&ir.Expired, &ir.LeaseEnded, &ir.Now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
+		&ir.Expired, &leaseEnded, &leaseEnds, &ir.Now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
 		&storedBody, &storedHdrs, &respHeaders, &respBody)
 	if err != nil {
 		return ir, err
 	}
 	copy(ir.Key.CredentialHash[:], credHash)
+	ir.LeaseEnded = leaseEnded != nil && *leaseEnded
+	if leaseEnds != nil {
+		ir.LeaseEnds = leaseEnds.UTC()
+	}
 	ir.Record.Status = Status(status)
 	ir.Record.CreatedAt, ir.Record.ExpiresAt, ir.Now = ir.Record.CreatedAt.UTC(), ir.Record.ExpiresAt.UTC(), ir.Now.UTC()
 	ir.Record.TTL = time.Duration(ttl) * time.Microsecond
@@ -370,6 +393,7 @@ type recordJSON struct {
 	Expires        time.Time     `json:"expires"`
 	Locked         *time.Time    `json:"locked,omitempty"`
 	LockedUntil    *time.Time    `json:"locked_until,omitempty"`
+	LeaseEnds      *time.Time    `json:"lease_ends,omitempty"`
 	LeaseEnded     bool          `json:"lease_ended,omitempty"`
 	ResponseStatus *int          `json:"response_status,omitempty"`
 	Replayable     *bool         `json:"replayable,omitempty"`
@@ -403,8 +427,8 @@ func newRecordJSON(ir InspectedRecord, withResponse bool) recordJSON {
 		StoredHeaders:  ir.StoredHeaders,
 	}
 	if ir.Record.Status == StatusInProgress {
-		locked, until := ir.Record.LockedAt.UTC(), ir.Record.LockedUntil.UTC()
-		rec.Locked, rec.LockedUntil = &locked, &until
+		locked, until, ends := ir.Record.LockedAt.UTC(), ir.Record.LockedUntil.UTC(), ir.leaseEnd().UTC()
+		rec.Locked, rec.LockedUntil, rec.LeaseEnds = &locked, &until, &ends
 	}
 	if resp := ir.Record.Response; resp != nil {
 		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize

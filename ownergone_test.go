@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"regexp"
 	"testing"
+	"time"
 )
 
 // The CLI's release and the admin API's are one: both refuse a record
@@ -48,6 +49,23 @@ func TestCLIAndAdminAPIReleaseAgree(t *testing.T) {
 	if n := pgCount(t, sb); n != 1 {
 		t.Fatalf("%d records after the refused releases, want 1", n)
 	}
+
+	// Dated back past its lease on a server that has been the primary only
+	// since the test began: the outage rule keeps it live, and both say
+	// until when, not the locked_until that has passed.
+	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
+	tn, err := parseTableName(sb.Table)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgExec(t, sb.DSN, `UPDATE `+tn.primariesTable()+` SET first_seen = now()`)
+	recs = admin.records(url.Values{"store": {name}, "key": {k}}, nil)
+	if r := recs.Records; len(r) != 1 || r[0].LeaseEnded || r[0].LeaseEnds == nil || time.Until(*r[0].LeaseEnds) < 20*time.Second {
+		t.Fatalf("the record whose locked_until passed before the server was up for its lease, by the admin API: %+v; want its lease live about 30s more", recs)
+	}
+	res = runCLI(t, env, append([]string{"inspect"}, target...)...)
+	wantCLI(t, res, exitOK, "in_progress, locked")
+	wantCLIMatches(t, res, `lease live until \S+ \(\d+s more\)`)
 
 	// Its owner is gone (the lease ended, unrenewed): both see it so,
 	// and the CLI releases it.
