@@ -241,8 +241,9 @@ var defaultTableIdents = regexp.MustCompile(`\b` + defaultTable + `(\w*)\b`)
 
 // render rewrites a migration written for the default table for t. A
 // derived name keeps its suffix: an index is named after its table, and
-// index names must be unique in a schema. The secret's table is a table,
-// qualified like t; an index's name must not be.
+// index names must be unique in a schema. The secret's and the primaries'
+// tables, and the functions, are qualified like t; an index's name must
+// not be.
 func (t tableName) render(sql string) string {
 	return defaultTableIdents.ReplaceAllStringFunc(sql, func(ident string) string {
 		suffix := strings.TrimPrefix(ident, defaultTable)
@@ -253,6 +254,8 @@ func (t tableName) render(sql string) string {
 			return t.secretTable()
 		case primariesTableSuffix:
 			return t.primariesTable()
+		case acquireRowsSuffix, ownedRowsSuffix, completeRowsSuffix:
+			return t.rowsFunction(suffix)
 		}
 		return pgx.Identifier{derivedName(t.name, suffix)}.Sanitize()
 	})

@@ -221,22 +221,22 @@ func compareKeys(x, y RecordKey) int {
 // inputRows is the query that gives a statement its requests, a row each,
 // with the columns cols, each "type name", and n, the row's ordinal. The
 // statement's first parameters are the columns, in their order: for a
-// batch, arrays of one element per request; in the form for one request,
-// the values themselves. A batch of one sent in the batch's form costs
-// Postgres about a tenth more than in its own (the arrays, the plan for
-// an unknown number of rows), which a request at low load would wait for.
-func inputRows(one bool, cols ...string) string {
-	params, names, values := make([]string, len(cols)), make([]string, len(cols)), make([]string, len(cols))
+// batch, arrays of one element per request, which fn, a function of
+// migration 0006, turns into rows; in the form for one request, the
+// values themselves. A batch of one sent in the batch's form costs
+// Postgres about a tenth more than in its own (the arrays, the function),
+// which a request at low load would wait for.
+func inputRows(fn string, one bool, cols ...string) string {
+	params, values := make([]string, len(cols)), make([]string, len(cols))
 	for i, col := range cols {
 		typ, name, _ := strings.Cut(col, " ")
 		params[i] = fmt.Sprintf("$%d::%s[]", i+1, typ)
-		names[i] = name
 		values[i] = fmt.Sprintf("$%d::%s AS %s", i+1, typ, name)
 	}
 	if one {
 		return "SELECT " + strings.Join(values, ", ") + ", 1::bigint AS n"
 	}
-	return fmt.Sprintf("SELECT * FROM unnest(%s)\n\t\tWITH ORDINALITY AS i(%s, n)", strings.Join(params, ", "), strings.Join(names, ", "))
+	return fmt.Sprintf("SELECT * FROM %s(%s) AS i", fn, strings.Join(params, ", "))
 }
 
 // statement is a statement of the store on the rows of a batch of
@@ -248,9 +248,10 @@ type statement struct {
 }
 
 // newStatement builds a statement's two forms with build, from the query
-// that gives its rows, with the columns cols (see inputRows).
-func newStatement(cols []string, build func(rows string) string) statement {
-	return statement{batch: build(inputRows(false, cols...)), one: build(inputRows(true, cols...)), columns: len(cols)}
+// that gives its rows, with the columns cols, which the function fn gives
+// a batch (see inputRows).
+func newStatement(fn string, cols []string, build func(rows string) string) statement {
+	return statement{batch: build(inputRows(fn, false, cols...)), one: build(inputRows(fn, true, cols...)), columns: len(cols)}
 }
 
 // forRows is the statement's text and arguments for rows requests, whose

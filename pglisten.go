@@ -78,8 +78,8 @@ func (s *PostgresStore) EnableWaiting() error {
 	s.listenKey = dsn
 	s.channel = notifyChannel(s.table)
 	s.listener.subscribe(s.channel)
-	s.sql.complete = completeSQL(s.table.quoted(), true)
-	s.sql.release = releaseSQL(s.table.quoted(), true)
+	s.sql.complete = completeSQL(s.table, true)
+	s.sql.release = releaseSQL(s.table, true)
 	return nil
 }
 

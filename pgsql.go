@@ -40,6 +40,20 @@ const recordColumnNames = `status, fingerprint, method, path, created_at, expire
 // table note when they first saw each primary (migration 0004).
 const primariesTableSuffix = "_primaries"
 
+// The suffixes of the functions of migration 0006 that give a batch's
+// rows (inputRows), one per kind of row.
+const (
+	acquireRowsSuffix  = "_acquire_rows_v1"
+	ownedRowsSuffix    = "_owned_rows_v1"
+	completeRowsSuffix = "_complete_rows_v1"
+)
+
+// rowsFunction is the quoted name of t's function of migration 0006 with
+// suffix, in t's schema.
+func (t tableName) rowsFunction(suffix string) string {
+	return t.sibling(derivedName(t.name, suffix))
+}
+
 // primariesTable is the quoted name of t's primaries table, in t's schema.
 func (t tableName) primariesTable() string {
 	return t.sibling(derivedName(t.name, primariesTableSuffix))
@@ -157,8 +171,8 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, table)
 		lookup:  lookup,
 		acquire: acquireSQL(t),
 
-		complete: completeSQL(table, false),
-		release:  releaseSQL(table, false),
+		complete: completeSQL(t, false),
+		release:  releaseSQL(t, false),
 
 		completedBy: fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s
 WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'completed')`, table),
@@ -169,7 +183,7 @@ WHERE credential_hash = $1 AND key = $2 AND completed_token = $3 AND status = 'c
 		// record must outlive it. A lease that has ended is not renewed
 		// (leaseEndSQL): from then on a retry or an operator may take
 		// the record.
-		renew: ownedStatement(table, false, `UPDATE %[1]s AS r SET
+		renew: ownedStatement(t, false, `UPDATE %[1]s AS r SET
 	locked_at = now(),
 	locked_until = now() + (r.locked_until - r.locked_at),
 	expires_at = GREATEST(r.expires_at, now() + (r.locked_until - r.locked_at))
@@ -246,7 +260,7 @@ func acquireSQL(t tableName) statement {
 	// that judges a lease; the lookup it needs tells the note too
 	// whether the server has a row.
 	const since = "(SELECT since FROM primary_since)"
-	return newStatement(acquireColumns, func(rows string) string {
+	return newStatement(t.rowsFunction(acquireRowsSuffix), acquireColumns, func(rows string) string {
 		return fmt.Sprintf(`WITH input AS (
 	%[9]s
 ), %[12]s, primary_since AS (
@@ -312,8 +326,8 @@ LEFT JOIN found AS f ON f.n = i.n`,
 // completion: a request that ran long keeps its record as long as a
 // quick one. A NULL body is one that was not kept. notify makes it wake
 // the records' waiters (pglisten.go).
-func completeSQL(table string, notify bool) statement {
-	return ownedStatement(table, notify, `UPDATE %[1]s AS r SET
+func completeSQL(t tableName, notify bool) statement {
+	return ownedStatement(t, notify, `UPDATE %[1]s AS r SET
 	status = 'completed',
 	lock_token = NULL,
 	locked_at = NULL,
@@ -331,8 +345,8 @@ WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in
 }
 
 // releaseSQL is the release of table; notify as for completeSQL.
-func releaseSQL(table string, notify bool) statement {
-	return ownedStatement(table, notify, `DELETE FROM %[1]s AS r
+func releaseSQL(t tableName, notify bool) statement {
+	return ownedStatement(t, notify, `DELETE FROM %[1]s AS r
 USING input AS i
 WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in_token AND r.status = 'in_progress'`)
 }
@@ -346,8 +360,13 @@ WHERE r.credential_hash = i.in_hash AND r.key = i.in_key AND r.lock_token = i.in
 // parameter after the rows' is the NOTIFY channel, and the next one an
 // array of the payload of each row, and every row changed wakes its
 // waiters.
-func ownedStatement(table string, notify bool, body string, cols ...string) statement {
+func ownedStatement(t tableName, notify bool, body string, cols ...string) statement {
+	fn := t.rowsFunction(ownedRowsSuffix)
+	if len(cols) > 0 {
+		fn = t.rowsFunction(completeRowsSuffix)
+	}
 	cols = append([]string{"bytea in_hash", "text in_key", "bytea in_token"}, cols...)
+	table := t.quoted()
 	// The rows are locked before body changes them, one at a time in the
 	// batch's order (sendBatch sorts it; the lateral subquery makes the
 	// nested loop follow it): the order of the acquires' INSERT too, the
@@ -356,9 +375,11 @@ func ownedStatement(table string, notify bool, body string, cols ...string) stat
 	// other in a cycle. The subquery finds each row through the primary
 	// key whatever the table's size when a connection planned it: a join,
 	// planned on a new, empty table, scanned the table for every batch
-	// for as long as the connection kept the plan.
+	// for as long as the connection kept the plan. body's own join of
+	// input to the table is a primary-key lookup per row because the
+	// planner counts input's rows as one (migration 0006).
 	body = fmt.Sprintf(body, table)
-	return newStatement(cols, func(rows string) string {
+	return newStatement(fn, cols, func(rows string) string {
 		input := fmt.Sprintf(`WITH given AS (
 	%s
 ), input AS (

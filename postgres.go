@@ -137,39 +137,6 @@ func (p sharedPool) Destruct() error {
 	return nil
 }
 
-// planPreparedStatements sets, as startup parameters, how the server
-// plans the statements that a connection prepares once and keeps
-// (cache_statement): a pooler refuses startup parameters it does not
-// know, so they are sent only in that mode, which a transaction pooler
-// does not carry anyway. In the other modes every execution is planned
-// anew, for its own arguments and the table as it is, which neither
-// setting is needed for (TestPostgresBehindTransactionPooler).
-func planPreparedStatements(params map[string]string) {
-	// The batched statements are planned once per connection. A custom
-	// plan, for the array lengths of each execution, costs less on paper
-	// than the generic one (which assumes ten rows), so Postgres would
-	// plan them again at every execution: with 32 acquires of one row in
-	// flight, the store alone ran half as many. Their generic plans look
-	// every row up through the primary key
-	// (TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired).
-	if _, ok := params["plan_cache_mode"]; !ok {
-		params["plan_cache_mode"] = "force_generic_plan"
-	}
-	// A connection keeps a statement's plan for its life, and plans it
-	// for the table as it is at the statement's first use: on a new
-	// table, nearly empty, a scan of its few pages costs less on paper
-	// than a primary-key lookup per row of a batch, and that plan then
-	// read the whole table at every completion as the table grew (first
-	// executions a quarter slower at 27,000 rows, and worse beyond),
-	// until an ANALYZE, which autovacuum may never run, replaced it.
-	// Every statement of the store finds its rows through an index, so a
-	// sequential scan is never the plan it wants
-	// (TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable).
-	if _, ok := params["enable_seqscan"]; !ok {
-		params["enable_seqscan"] = "off"
-	}
-}
-
 // pooledDSN says whether the store takes cfg's DSN to go through a
 // transaction pooler: one that asks pgx for anything but its default
 // exec mode, cache_statement, whose prepared statements a transaction
@@ -242,10 +209,9 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		// first use and then only executes it: one round trip. Through a
 		// transaction pooler, whose server connections do not follow the
 		// client's, the DSN says cache_describe, exec or simple_protocol
-		// (see pooledDSN).
-		if cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement {
-			planPreparedStatements(cfg.ConnConfig.RuntimeParams)
-		}
+		// (see pooledDSN). No mode sets a planner setting: a pooler
+		// refuses startup parameters it does not know, and the
+		// statements plan alike without them (migration 0006).
 		cfg.ConnConfig.Tracer = testQueryTracer
 		// The pool dials on its own, past the request that made it dial,
 		// and a dial has no bound of its own: one whose startup reply

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"reflect"
 	"slices"
 	"strings"
@@ -838,18 +839,23 @@ func TestPostgresUnmarshalCaddyfile(t *testing.T) {
 // index looks as if it held next to no live row, and a lookup through it
 // filters every live record. Both the generic plan of a prepared
 // statement and a custom one are checked, for batches of one row and
-// full ones: the arrays of a batch are matched through the primary key,
-// never by a scan of the table.
+// full ones, in every exec mode: the arrays of a batch are matched
+// through the primary key, never by a scan of the table.
 func TestPostgresStatementsUsePrimaryKeyWhenMostRowsExpired(t *testing.T) {
 	t.Parallel()
-	s := newTestPostgresStore(t, freshTable(t), 2)
+	table := freshTable(t)
+	s := newTestPostgresStore(t, table, 2)
 	mustExec(t, s, `INSERT INTO `+s.table.quoted()+` (credential_hash, key, fingerprint, method, path, status,
 	created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
 SELECT sha256(('tenant-' || (i % 100))::bytea), 'expired-' || i, sha256(i::text::bytea), 'POST', '/v1/charges',
 	'completed', now() - interval '2 days', now() - interval '1 day', 200, '{}', '\x00', true, 1
 FROM generate_series(1, 20000) AS i`)
 	mustExec(t, s, "ANALYZE "+s.table.quoted())
-	checkPrimaryKeyPlans(t, s)
+	for _, mode := range execModes {
+		t.Run(mode, func(t *testing.T) {
+			checkPrimaryKeyPlans(t, newTestPostgresStoreInMode(t, table, mode, 2))
+		})
+	}
 }
 
 // A connection plans each statement once, at its first use, and keeps
@@ -857,15 +863,121 @@ FROM generate_series(1, 20000) AS i`)
 // scans it. With a plan that locked rows through a hash join over a
 // scan, every completion read the whole table; first executions fell as
 // the table grew (a quarter slower at 27,000 rows) until an ANALYZE
-// replaced the plans.
+// replaced the plans. Through a pooler, where no planner setting may be
+// sent, the plans are the same.
 func TestPostgresStatementsUsePrimaryKeyOnAnEmptyTable(t *testing.T) {
 	t.Parallel()
-	checkPrimaryKeyPlans(t, newTestPostgresStore(t, freshTable(t), 2))
+	table := freshTable(t)
+	for _, mode := range execModes {
+		t.Run(mode, func(t *testing.T) {
+			checkPrimaryKeyPlans(t, newTestPostgresStoreInMode(t, table, mode, 2))
+		})
+	}
+}
+
+// A connection that prepares the statements (cache_statement) keeps one
+// plan of each, made for any arguments, rather than planning every
+// execution for its own: the plans made for given arrays cost no less
+// than the generic one (migration 0006). Planning each batch anew, for
+// the size of its arrays, halved the store's throughput.
+func TestPostgresPreparedStatementsKeepGenericPlans(t *testing.T) {
+	t.Parallel()
+	s := newTestPostgresStoreInMode(t, freshTable(t), "cache_statement", 1)
+	ctx := context.Background()
+	resp := &Response{Status: 201, Replayable: true}
+	for i := range 12 {
+		// Batches of one, then of two and of three, each in its own
+		// form: the statements of one connection (max_conns 1).
+		for _, rows := range []int{1, 2, 3} {
+			var acquires []*batchCall[queuedAcquire, AcquireResult]
+			var owned []*batchCall[ownedRequest, bool]
+			for j := range rows {
+				req := testAcquireRequest("cred", fmt.Sprintf("key-%d-%d-%d", i, rows, j), "body")
+				acquires = append(acquires, &batchCall[queuedAcquire, AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}})
+				owned = append(owned, &batchCall[ownedRequest, bool]{ctx: ctx, req: ownedRequest{key: req.Key, token: req.Token}})
+			}
+			slices.SortFunc(acquires, func(x, y *batchCall[queuedAcquire, AcquireResult]) int {
+				return compareKeys(x.req.Key, y.req.Key)
+			})
+			slices.SortFunc(owned, func(x, y *batchCall[ownedRequest, bool]) int { return compareKeys(x.req.key, y.req.key) })
+			s.sendAcquires(ctx, acquires)
+			for _, c := range acquires {
+				if c.err != nil || c.res.Outcome != OutcomeCreated {
+					t.Fatalf("acquire of %d: %v, %+v", rows, c.err, c.res)
+				}
+			}
+			send := func(op string, st statement) {
+				for _, c := range owned {
+					c.res = false
+				}
+				s.sendOwned(ctx, op, st, owned)
+				for _, c := range owned {
+					if c.err != nil || !c.res {
+						t.Fatalf("%s of %d: %v, %v", op, rows, c.err, c.res)
+					}
+				}
+			}
+			send(opRenew, s.sql.renew)
+			if i%2 == 0 {
+				send(opRelease, s.sql.release)
+				continue
+			}
+			for _, c := range owned {
+				c.req.resp = &completion{status: int32(resp.Status), body: []byte{}, replayable: true, retention: time.Hour}
+			}
+			send(opComplete, s.sql.complete)
+		}
+	}
+	rows, err := s.pool.Query(ctx, `SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
+WHERE statement LIKE 'WITH %'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type prepared struct {
+		SQL             string
+		Generic, Custom int64
+	}
+	statements, err := pgx.CollectRows(rows, pgx.RowToStructByPos[prepared])
+	if err != nil {
+		t.Fatal(err)
+	}
+	// acquire, renew, release and complete, each in the form for one
+	// request and the batch's.
+	if len(statements) != 8 {
+		t.Errorf("%d statements prepared, want 8", len(statements))
+	}
+	for _, st := range statements {
+		// The first five executions are planned for their arguments,
+		// which is how Postgres learns what the generic plan saves.
+		if st.Custom > 5 || st.Generic == 0 {
+			t.Errorf("%d custom plans, %d generic ones, of:\n%s", st.Custom, st.Generic, st.SQL)
+		}
+	}
+}
+
+// execModes are pgx's exec modes: its default, cache_statement, and
+// those that a transaction pooler needs.
+var execModes = []string{"cache_statement", "cache_describe", "exec", "simple_protocol"}
+
+// newTestPostgresStoreInMode is newTestPostgresStore on a DSN whose
+// default_query_exec_mode is mode.
+func newTestPostgresStoreInMode(t *testing.T, table, mode string, maxConns int32) *PostgresStore {
+	t.Helper()
+	u, err := url.Parse(testDSN(t))
+	if err != nil || u.Scheme == "" {
+		t.Skipf("the test DSN is not a URL: %v", err)
+	}
+	q := u.Query()
+	q.Set("default_query_exec_mode", mode)
+	u.RawQuery = q.Encode()
+	return provisionTestStore(t, &PostgresStore{DSN: u.String(), Table: table, MaxConns: maxConns})
 }
 
 // checkPrimaryKeyPlans checks that every statement of the request path,
 // in its generic and custom plans on s's table as it is, finds its rows
-// through the primary key alone.
+// through the primary key alone, on connections that carry no planner
+// setting of their own (which a pooler would refuse at startup, and
+// which would be session state).
 func checkPrimaryKeyPlans(t *testing.T, s *PostgresStore) {
 	t.Helper()
 	ctx := context.Background()
@@ -874,6 +986,15 @@ func checkPrimaryKeyPlans(t *testing.T, s *PostgresStore) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
+	var settings []string
+	if err := conn.QueryRow(ctx, `SELECT coalesce(array_agg(name || ' (' || source || ')'), '{}') FROM pg_settings
+WHERE category LIKE 'Query Tuning%' AND source IN ('client', 'session')`).Scan(&settings); err != nil {
+		t.Fatal(err)
+	}
+	if len(settings) > 0 {
+		t.Errorf("the store's connection sets planner settings: %v", settings)
+	}
+	defer conn.Exec(ctx, "RESET plan_cache_mode")
 	const (
 		hash  = `'\x` + "0000000000000000000000000000000000000000000000000000000000000000" + `'::bytea`
 		token = `'\x` + "00000000000000000000000000000000" + `'::bytea`
