@@ -80,6 +80,18 @@ func (b *bodyBudget) reserve(n int64) bool {
 
 func (b *bodyBudget) release(n int64) { b.used.Add(-n) }
 
+// firstRead is the most that a body is read into before its buffer is
+// allocated and reserved: a body whose headers declare a large length
+// holds nothing of the budget until its bytes arrive. Small bodies,
+// most of them, arrive whole in it, and are then copied into a buffer
+// of their size.
+const firstRead = 512
+
+// firstReads recycles the buffers of first reads, which a request that
+// sends no body keeps while it waits: they are not the budget's, so each
+// is small, less than the connection's own buffers.
+var firstReads = sync.Pool{New: func() any { return new([firstRead]byte) }}
+
 // bodyChunks recycles the chunks that large bodies are read into, which
 // are copied into one buffer of the body's size once it has arrived:
 // without the pool every large body would leave its size in garbage, and
@@ -95,9 +107,12 @@ var bodyChunks = sync.Pool{New: func() any { return new([initialBodyBuffer]byte)
 //
 // The budget is reserved as the body's buffers are allocated, which they
 // are as its bytes arrive: a client that declares a large body and sends
-// it slowly holds what it sent, plus a chunk. A body that fits the first
-// buffer stays in it; a larger one is read in pooled chunks and copied,
-// once whole, into a buffer of exactly its size.
+// nothing holds none of it (its first read waits in a pooled buffer of
+// firstRead bytes), and one that sends it slowly holds what it sent,
+// plus a chunk. A body that ends within the first read is copied into a
+// buffer of its size; a larger one is read on into a first buffer of
+// its declared size (at most a chunk), then in pooled chunks that are
+// copied, once it is whole, into a buffer of exactly its size.
 func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *problem) {
 	tooLarge := func(limit int64) *problem {
 		p := probBodyTooLarge.withDetail(fmt.Sprintf(
@@ -122,13 +137,26 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 		p := probBodyBudget
 		return &p
 	}
+	lr := io.LimitedReader{R: r.Body, N: limit}
+	stage := firstReads.Get().(*[firstRead]byte)
+	n, err := fill(&lr, stage[:min(size, firstRead)])
+	if err != nil {
+		// The whole body, or all of it that will come.
+		size = int64(n)
+	}
 	if !h.bodyBudget.reserve(size) {
+		firstReads.Put(stage)
 		return nil, 0, overBudget()
 	}
 	held = size
-	lr := io.LimitedReader{R: r.Body, N: limit}
 	first := make([]byte, size)
-	n, err := fill(&lr, first)
+	copy(first, stage[:n])
+	firstReads.Put(stage)
+	if err == nil {
+		var m int
+		m, err = fill(&lr, first[n:])
+		n += m
+	}
 	body = first[:n]
 	var chunks []*[initialBodyBuffer]byte
 	last := 0 // bytes in the last chunk

@@ -336,3 +336,85 @@ func TestBodyBudgetConcurrent(t *testing.T) {
 		t.Errorf("%d bytes still reserved", used)
 	}
 }
+
+// waitingBody is a body none of whose bytes have arrived: Read blocks
+// until arrive is closed, then reads r.
+type waitingBody struct {
+	entered func()
+	once    sync.Once
+	arrive  <-chan struct{}
+	r       io.Reader
+}
+
+func (b *waitingBody) Read(p []byte) (int, error) {
+	b.once.Do(b.entered)
+	<-b.arrive
+	return b.r.Read(p)
+}
+func (b *waitingBody) Close() error { return nil }
+
+// Requests that declare a large body and send none of it hold none of
+// the budget. 1,030 connections that sent only their headers, with
+// Content-Length: 1048576, made every protected request get 503 while
+// they waited: each reserved (and allocated) its first 64 KiB before a
+// byte arrived.
+func TestDeclaredBodiesHoldNoBudgetUntilTheyArrive(t *testing.T) {
+	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	const waiting = 1030
+	arrive := make(chan struct{})
+	var entered sync.WaitGroup
+	entered.Add(waiting)
+	allEntered := make(chan struct{})
+	go func() { entered.Wait(); close(allEntered) }()
+	type read struct {
+		held int64
+		prob *problem
+	}
+	reads := make(chan read, waiting)
+	for range waiting {
+		r := httptest.NewRequest(http.MethodPost, "/pay", nil)
+		r.Body = &waitingBody{entered: entered.Done, arrive: arrive, r: bytes.NewReader(sizedBody("late", 1000))}
+		r.ContentLength = 1 << 20
+		go func() {
+			_, held, prob := h.readBody(r)
+			reads <- read{held, prob}
+		}()
+	}
+	var early []read
+	select {
+	case <-allEntered:
+	case rd := <-reads:
+		early = append(early, rd)
+		for more := true; more; {
+			select {
+			case rd := <-reads:
+				early = append(early, rd)
+			case <-time.After(time.Second):
+				more = false
+			}
+		}
+	}
+	if len(early) > 0 {
+		t.Errorf("%d requests whose bodies had not arrived were answered before they did: %+v", len(early), early[0].prob)
+	}
+	if used := h.bodyBudget.used.Load(); used != 0 {
+		t.Errorf("%d requests that sent no body byte hold %d bytes of the budget", waiting, used)
+	}
+	want := sizedBody("arrived", 100_000)
+	body, held, prob := h.readBody(httptest.NewRequest(http.MethodPost, "/pay", bytes.NewReader(want)))
+	if prob != nil || !bytes.Equal(body, want) {
+		t.Errorf("a body that arrived, beside them: %d bytes, %+v", len(body), prob)
+	}
+	h.bodyBudget.release(held)
+
+	close(arrive)
+	for _, rd := range early {
+		h.bodyBudget.release(rd.held)
+	}
+	for range waiting - len(early) {
+		h.bodyBudget.release((<-reads).held)
+	}
+	if used := h.bodyBudget.used.Load(); used != 0 {
+		t.Errorf("%d bytes of the budget still reserved", used)
+	}
+}
