@@ -7,9 +7,7 @@ package idempotency
 import (
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
-	"net/http/httptest"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -171,16 +169,7 @@ func TestNestedReleaseReleasesOuterRecord(t *testing.T) {
 `, port, sb.Block(), addr))
 		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Request-Id": newKey()}}
 		wantProblem(t, s.Do(t, c), http.StatusBadGateway)
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		up := &upstream{gates: make(map[string]chan struct{})}
-		up.Server = httptest.NewUnstartedServer(http.HandlerFunc(up.serve))
-		up.Server.Listener.Close()
-		up.Server.Listener = ln
-		up.Server.Start()
-		t.Cleanup(up.Server.Close)
+		up := newUpstreamAt(t, addr)
 		first := s.Do(t, c)
 		wantExecuted(t, first, http.StatusCreated)
 		wantReplayOf(t, s.Do(t, c), first)

@@ -416,8 +416,24 @@ type upstream struct {
 
 func newUpstream(t testing.TB) *upstream {
 	t.Helper()
+	return newUpstreamAt(t, "")
+}
+
+// newUpstreamAt is newUpstream listening on addr ("" for a free port):
+// a test that found addr dead brings its upstream up there.
+func newUpstreamAt(t testing.TB, addr string) *upstream {
+	t.Helper()
 	u := &upstream{gates: make(map[string]chan struct{})}
-	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
+	u.Server = httptest.NewUnstartedServer(http.HandlerFunc(u.serve))
+	if addr != "" {
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		u.Server.Listener.Close()
+		u.Server.Listener = ln
+	}
+	u.Server.Start()
 	t.Cleanup(func() {
 		u.mu.Lock()
 		for name, ch := range u.gates {

@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -104,16 +103,7 @@ func TestDialErrorReleasesAndRetryExecutes(t *testing.T) {
 		if r := s.Do(t, c); r.Status != http.StatusBadGateway || r.replayed() {
 			t.Fatalf("first, upstream down: %s, want a fresh 502", r)
 		}
-		ln, err := net.Listen("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		up := &upstream{gates: make(map[string]chan struct{})}
-		up.Server = httptest.NewUnstartedServer(http.HandlerFunc(up.serve))
-		up.Server.Listener.Close()
-		up.Server.Listener = ln
-		up.Server.Start()
-		t.Cleanup(up.Server.Close)
+		up := newUpstreamAt(t, addr)
 		first := s.Do(t, c)
 		wantExecuted(t, first, http.StatusCreated)
 		wantReplayOf(t, s.Do(t, c), first)
