@@ -158,7 +158,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response,
 		if err := copyGunzipped(w, resp.Body); err != nil {
 			// The client has part of a body: abort the response
 			// rather than end it as though it were whole.
-			h.logger.Error("idempotency.replay_decode", zap.String("host", h.logHost(r)), zap.String("path", clientPath(r)), zap.Error(err))
+			h.logger.Error("idempotency.replay_decode", zap.String("host", logHost(r)), zap.String("path", clientPath(r)), zap.Error(err))
 			panic(http.ErrAbortHandler)
 		}
 	} else {

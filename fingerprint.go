@@ -82,18 +82,18 @@ func clientPath(r *http.Request) string {
 
 // logHost is r's Host as log lines name it: as the fingerprint takes it,
 // so that a line names the site whose records it is about.
-func (h *Handler) logHost(r *http.Request) string {
-	return siteHost(r, h.fillPort())
+func logHost(r *http.Request) string {
+	return strings.ToLower(r.Host)
 }
 
 // headOf describes r for fingerprint. Two sites behind one store must
-// not answer with each other's responses, so the Host takes part, as
-// siteHost gives it.
-func headOf(r *http.Request, fillPort bool) requestHead {
+// not answer with each other's responses, so the Host takes part; host
+// names are case-insensitive, so it is lower-cased, and the port is kept.
+func headOf(r *http.Request) requestHead {
 	orig := clientRequest(r)
 	return requestHead{
 		Method:          strings.ToUpper(orig.Method),
-		Host:            siteHost(r, fillPort),
+		Host:            strings.ToLower(r.Host),
 		Path:            orig.URL.EscapedPath(),
 		RawQuery:        orig.URL.RawQuery,
 		ContentType:     r.Header.Values("Content-Type"),

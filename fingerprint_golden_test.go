@@ -14,7 +14,7 @@ import (
 // goldenFingerprint is the fingerprint of r as a handler on one listener
 // set takes it.
 func goldenFingerprint(r *http.Request, body string) string {
-	fp := fingerprint(headOf(r, false), []byte(body))
+	fp := fingerprint(headOf(r), []byte(body))
 	return hex.EncodeToString(fp[:])
 }
 

@@ -260,7 +260,7 @@ func TestFingerprintContentCodingAndOverride(t *testing.T) {
 			t.Fatal(err)
 		}
 		r.Header = header
-		return fingerprint(headOf(r, false), []byte("\x1f\x8b opaque bytes"))
+		return fingerprint(headOf(r), []byte("\x1f\x8b opaque bytes"))
 	}
 	none := fp(http.Header{"Content-Type": {"application/octet-stream"}})
 	plain := requestHead{Method: "POST", Host: "api.example", Path: "/v1/charges", ContentType: []string{"application/octet-stream"}}

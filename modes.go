@@ -151,14 +151,14 @@ func (h *Handler) serveShadow(q *request, idProb *problem, err error) error {
 			return q.next.ServeHTTP(q.w, r)
 		}
 	}
-	q.fp = fingerprint(headOf(r, h.fillPort()), body)
+	q.fp = fingerprint(headOf(r), body)
 	restoreBody(r, body, nil)
 
 	h.executing.Add(1)
 	defer h.executing.Add(-1)
 	q.token = newLockToken()
 	q.dated = time.Now() // see ServeHTTP
-	acq, err := h.acquire(r.Context(), h.acquireRequest(q), q.host)
+	acq, err := h.acquire(r.Context(), h.acquireRequest(q), logHost(r))
 	if err != nil {
 		h.storeError(q, "acquire", err)
 		return pass(resultStoreError)

@@ -241,10 +241,6 @@ type Handler struct {
 	// under them. (From the acquire on: one that is still in flight when
 	// the pool closes may commit all the same.)
 	executing *atomic.Int64
-	// sites are the listener sets that this process serves the records
-	// on, listeners this handler's (sitehost.go).
-	sites     *recordSites
-	listeners string
 	// keeper renews the locks of the requests running (renew.go).
 	keeper *lockKeeper
 	// bodyBudget bounds the request bodies buffered at once
@@ -335,7 +331,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.store, h.cache = wrapStore(mod.(Store), newStoreMetrics(h.metrics.server), *h.ReplayCache)
 	_, h.inProcess = storeAs[InProcess](h.store)
 	h.records = recordsOf(h.store)
-	h.registerSite(listenerSet(ctx))
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}
@@ -520,7 +515,6 @@ func validToken(s string) bool {
 // goes stale, and executes a second time.
 func (h *Handler) Cleanup() error {
 	h.unregisterStore()
-	h.unregisterSite()
 	if caddy.Exiting() && h.executing != nil {
 		h.awaitExecutions(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
 	}
@@ -560,7 +554,6 @@ type request struct {
 	key    string    // the key, as parsed from its header (step 1)
 	rk     RecordKey // the record's key: the key under the credential (step 2)
 	credID string    // the credential, as logs name it (credentialID)
-	host   string    // the Host, as logs name it (logHost)
 	fp     [32]byte  // the fingerprint (step 4)
 	token  LockToken // this request's claim on its record (step 5)
 	// dated is when the lock was last dated: no later than when the
@@ -572,7 +565,7 @@ type request struct {
 // appendFields appends the fields of every line about the request to f.
 func (q *request) appendFields(f []zap.Field) []zap.Field {
 	return append(f, zap.String("key", q.key), zap.String("credential_id", q.credID),
-		zap.String("host", q.host), zap.String("method", q.r.Method), zap.String("path", clientPath(q.r)))
+		zap.String("host", logHost(q.r)), zap.String("method", q.r.Method), zap.String("path", clientPath(q.r)))
 }
 
 // fields are the request's fields, then extra.
@@ -607,7 +600,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !counted {
 		defer h.countResult(repl)
 	}
-	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk, host: h.logHost(r)}
+	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk}
 	if h.Shadow {
 		return h.serveShadow(&q, idProb, err)
 	}
@@ -653,7 +646,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	q.fp = fingerprint(headOf(r, h.fillPort()), body)
+	q.fp = fingerprint(headOf(r), body)
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -663,7 +656,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	defer h.executing.Add(-1)
 	q.token = newLockToken()
 	q.dated = time.Now()
-	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), q.host)
+	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), logHost(r))
 	if err != nil {
 		h.storeError(&q, "acquire", err)
 		if h.OnStoreError == onStoreErrorFailOpen {

@@ -14,9 +14,7 @@ import (
 )
 
 // Several Caddy instances share one table: a retry that lands on another
-// instance is replayed, and a concurrent one gets 409. Each listens on a
-// port of its own and gets the Host without a port, as behind a load
-// balancer: the port takes no part.
+// instance is replayed, and a concurrent one gets 409.
 func TestPostgresSharedBetweenInstances(t *testing.T) {
 	sb := postgresBackend(t)
 	up := newUpstream(t)
@@ -31,10 +29,8 @@ func TestPostgresSharedBetweenInstances(t *testing.T) {
 }
 `, port, sb.Block(), up.Addr())
 	}
-	// Two processes: two sites on two ports of one Caddy are two sites,
-	// which never answer with each other's responses.
-	a := procSite(t, startCaddyProc(t, "a", siteBlock(portA)), portA)
-	b := procSite(t, startCaddyProc(t, "b", siteBlock(portB)), portB)
+	srv := startCaddyfile(t, siteBlock(portA)+siteBlock(portB))
+	a, b := newSiteClient(t, srv, portA), newSiteClient(t, srv, portB)
 
 	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(500 * time.Millisecond)}
 	ch := runBackground(t, a, c)
