@@ -115,6 +115,18 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 	fwd.Cut()
 	cutAt := time.Now()
 	time.Sleep(1500 * time.Millisecond)
+	// The outage lasts until a request sent into it has been answered: on
+	// a loaded machine none may have been within the first 1.5 s.
+	waitFor(t, 20*time.Second, "a request sent into the outage to be answered", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, l := range log {
+			if l.at.After(cutAt) {
+				return true
+			}
+		}
+		return false
+	})
 	fwd.Restore()
 	restoredAt := time.Now()
 	// Traffic runs on until service is back and 20 more requests have
