@@ -89,9 +89,15 @@ const serverStartSQL = `GREATEST(pg_postmaster_start_time(), pg_stat_get_bgwrite
 // now(): time spent before is not known to have been spent as this
 // primary, up.
 func primarySinceSQL(t tableName) string {
-	return primarySinceFrom(fmt.Sprintf(`(SELECT p.first_seen FROM %s AS p
-	WHERE (p.system_identifier, p.timeline) = (%s) AND p.started >= %s)`,
-		t.primariesTable(), thisPrimarySQL, serverStartSQL))
+	return primarySinceFrom(firstSeenSQL(t, thisPrimarySQL, serverStartSQL))
+}
+
+// firstSeenSQL is the first_seen of the row of the server key (its
+// system identifier and timeline) in t's primaries table, noted since
+// started, the server's last start: NULL without one.
+func firstSeenSQL(t tableName, key, started string) string {
+	return fmt.Sprintf(`(SELECT p.first_seen FROM %s AS p
+	WHERE (p.system_identifier, p.timeline) = (%s) AND p.started >= %s)`, t.primariesTable(), key, started)
 }
 
 // primarySinceFrom is primarySinceSQL with firstSeen, the first_seen of
@@ -107,11 +113,9 @@ func primarySinceFrom(firstSeen string) string {
 // its row since that start, looked up once for both.
 func thisPrimaryCTE(t tableName) string {
 	return fmt.Sprintf(`this_primary AS (
-	SELECT s.system_identifier, s.timeline, s.started,
-		(SELECT p.first_seen FROM %s AS p
-			WHERE (p.system_identifier, p.timeline) = (s.system_identifier, s.timeline) AND p.started >= s.started) AS first_seen
+	SELECT s.system_identifier, s.timeline, s.started, %s AS first_seen
 	FROM (SELECT %s, %s) AS s (system_identifier, timeline, started)
-)`, t.primariesTable(), thisPrimarySQL, serverStartSQL)
+)`, firstSeenSQL(t, "s.system_identifier, s.timeline", "s.started"), thisPrimarySQL, serverStartSQL)
 }
 
 // notePrimarySQL notes the server in the primaries table if this_primary
