@@ -21,6 +21,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -103,6 +104,8 @@ type caddyServer struct {
 	LogPath string
 	// JSON is the config that was loaded.
 	JSON []byte
+	// Servers are the names of its HTTP servers, unique in the process.
+	Servers []string
 }
 
 // globalOptions is the global options block every in-process test config
@@ -149,7 +152,44 @@ func startCaddyfileAdmin(t testing.TB, sites, admin string) *caddyServer {
 	if err != nil {
 		t.Fatalf("adapting Caddyfile: %v\n%s", err, cfg)
 	}
-	return startCaddyJSON(t, cfgJSON, logPath)
+	cfgJSON, servers := uniqueServerNames(t, cfgJSON)
+	s := startCaddyJSON(t, cfgJSON, logPath)
+	s.Servers = servers
+	return s
+}
+
+var configsLoaded atomic.Int64
+
+// uniqueServerNames renames the HTTP servers of an adapted Caddyfile,
+// srv0 and on in every config, to names that no earlier config of the
+// process had. Metrics are process-wide and labelled by server: work an
+// earlier test's handlers finish after their config stopped (a
+// completion still retried, a body still being read) would otherwise be
+// counted as this test's.
+func uniqueServerNames(t testing.TB, cfgJSON []byte) ([]byte, []string) {
+	t.Helper()
+	var cfg map[string]any
+	if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	apps, _ := cfg["apps"].(map[string]any)
+	httpApp, _ := apps["http"].(map[string]any)
+	servers, _ := httpApp["servers"].(map[string]any)
+	if len(servers) == 0 {
+		return cfgJSON, nil
+	}
+	n := configsLoaded.Add(1)
+	renamed, names := map[string]any{}, []string(nil)
+	for name, srv := range servers {
+		name = fmt.Sprintf("%s-c%d", name, n)
+		renamed[name], names = srv, append(names, name)
+	}
+	httpApp["servers"] = renamed
+	out, err := json.Marshal(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out, names
 }
 
 // startCaddyJSON loads a Caddy JSON config and stops it at cleanup.
@@ -1324,6 +1364,26 @@ func scrapeMetrics(t *testing.T, adminAddr string) metricsSnapshot {
 		t.Fatalf("parsing /metrics: %v", err)
 	}
 	return fams
+}
+
+// of is m with only the series of the servers named, and those that no
+// server labels.
+func (m metricsSnapshot) of(servers []string) metricsSnapshot {
+	out := metricsSnapshot{}
+	for name, fam := range m {
+		kept := &dto.MetricFamily{Name: fam.Name, Help: fam.Help, Type: fam.Type}
+	series:
+		for _, metric := range fam.GetMetric() {
+			for _, lp := range metric.GetLabel() {
+				if lp.GetName() == "server" && !slices.Contains(servers, lp.GetValue()) {
+					continue series
+				}
+			}
+			kept.Metric = append(kept.Metric, metric)
+		}
+		out[name] = kept
+	}
+	return out
 }
 
 // value is the sum of the counter or gauge values, or of the histogram

@@ -76,12 +76,12 @@ var (
 		Help:      "Expired records deleted by this instance's pruning, by the HTTP server of the handler that pruned.",
 	}, []string{"server"})
 
-	bodyBudgetRefusals = prometheus.NewCounter(prometheus.CounterOpts{
+	bodyBudgetRefusals = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: metricsNamespace,
 		Subsystem: metricsSubsystem,
 		Name:      "request_body_budget_refusals_total",
-		Help:      "Requests answered 503 because buffering their bodies would exceed request_body_budget (their result is rejected).",
-	})
+		Help:      "Requests answered 503 because buffering their bodies would exceed request_body_budget (their result is rejected), by HTTP server.",
+	}, []string{"server"})
 
 	bufferedBodies = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Namespace: metricsNamespace,
@@ -156,7 +156,9 @@ type handlerMetrics struct {
 	server        string
 	results       map[string]prometheus.Counter
 	notReplayable prometheus.Counter
-	replayAge     prometheus.Observer
+	// nil in a handler that was never provisioned (unit tests).
+	bodyBudgetRefusals prometheus.Counter
+	replayAge          prometheus.Observer
 }
 
 // resultCounters returns the counter of every result that enforcing mode
@@ -194,10 +196,11 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	}
 	server := serverName(ctx)
 	h.metrics = handlerMetrics{
-		server:        server,
-		results:       resultCounters(server),
-		notReplayable: notReplayable.WithLabelValues(server),
-		replayAge:     replayAge.WithLabelValues(server),
+		server:             server,
+		results:            resultCounters(server),
+		notReplayable:      notReplayable.WithLabelValues(server),
+		bodyBudgetRefusals: bodyBudgetRefusals.WithLabelValues(server),
+		replayAge:          replayAge.WithLabelValues(server),
 	}
 	return nil
 }

@@ -49,7 +49,7 @@ http://127.0.0.1:%d {
 }
 `, pPG, sb.Block(), up.Addr(), pUndialable, freeTCPPort(t), pDown, down, up.Addr()), admin)
 	pg, undialable, storeDown := newSiteClient(t, srv, pPG), newSiteClient(t, srv, pUndialable), newSiteClient(t, srv, pDown)
-	before := scrapeMetrics(t, admin)
+	before := scrapeMetrics(t, admin).of(srv.Servers)
 
 	c1 := call{Key: newKey(), Body: payBody()}
 	wantExecuted(t, pg.Do(t, c1), http.StatusCreated)
@@ -101,7 +101,7 @@ http://127.0.0.1:%d {
 	}
 	// The pruner's counter is added to right after its statement.
 	waitFor(t, 10*time.Second, "the pruned records to be counted", func() bool {
-		after = scrapeMetrics(t, admin)
+		after = scrapeMetrics(t, admin).of(srv.Servers)
 		return delta("caddy_idempotency_pruned_records_total") >= 3
 	})
 	for _, tc := range []struct {
@@ -139,7 +139,7 @@ http://127.0.0.1:%d {
 		after["caddy_idempotency_replay_age_seconds"].GetType() != dto.MetricType_HISTOGRAM {
 		t.Errorf("store latency and replay age are not histograms")
 	}
-	for name, fam := range after {
+	for name, fam := range scrapeMetrics(t, admin) {
 		if !strings.HasPrefix(name, "caddy_idempotency_") {
 			continue
 		}

@@ -133,7 +133,9 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 	}
 	size = min(size, initialBodyBuffer, limit)
 	overBudget := func() *problem {
-		bodyBudgetRefusals.Inc()
+		if c := h.metrics.bodyBudgetRefusals; c != nil {
+			c.Inc()
+		}
 		p := probBodyBudget
 		return &p
 	}
