@@ -8,6 +8,7 @@ import (
 	"maps"
 	"mime"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -64,20 +65,23 @@ type requestHead struct {
 // POST stand for another method.
 var methodOverrideHeaders = [...]string{"X-Http-Method-Override", "X-Http-Method", "X-Method-Override"}
 
-// clientRequest returns r as the client sent it: Caddy keeps the request
-// from before any rewrite (handle_path, uri strip_prefix, rewrite) in the
-// context. Its copy carries the method and the URL, not the Host.
-func clientRequest(r *http.Request) *http.Request {
+// clientRequest returns the method and URL of r as the client sent them:
+// Caddy keeps the request from before any rewrite (handle_path, uri
+// strip_prefix, rewrite) in the context. Its copy carries the method and
+// the URL, not the Host. The copy stays in this frame: returning its
+// address cost a 250-byte allocation per call.
+func clientRequest(r *http.Request) (method string, u *url.URL) {
 	if orig, ok := r.Context().Value(caddyhttp.OriginalRequestCtxKey).(http.Request); ok && orig.URL != nil {
-		return &orig
+		return orig.Method, orig.URL
 	}
-	return r
+	return r.Method, r.URL
 }
 
 // clientPath is the path the client sent, escaped: ASCII, so that any
 // path can be stored in a text column and logged as it was sent.
 func clientPath(r *http.Request) string {
-	return clientRequest(r).URL.EscapedPath()
+	_, u := clientRequest(r)
+	return u.EscapedPath()
 }
 
 // logHost is r's Host as log lines name it: as the fingerprint takes it,
@@ -90,12 +94,12 @@ func logHost(r *http.Request) string {
 // not answer with each other's responses, so the Host takes part; host
 // names are case-insensitive, so it is lower-cased, and the port is kept.
 func headOf(r *http.Request) requestHead {
-	orig := clientRequest(r)
+	method, u := clientRequest(r)
 	return requestHead{
-		Method:          strings.ToUpper(orig.Method),
+		Method:          strings.ToUpper(method),
 		Host:            strings.ToLower(r.Host),
-		Path:            orig.URL.EscapedPath(),
-		RawQuery:        orig.URL.RawQuery,
+		Path:            u.EscapedPath(),
+		RawQuery:        u.RawQuery,
 		ContentType:     r.Header.Values("Content-Type"),
 		Trailer:         r.Trailer,
 		ContentEncoding: r.Header.Values("Content-Encoding"),

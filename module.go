@@ -717,12 +717,13 @@ func (h *Handler) confirmLate(q *request) *verdict {
 
 // acquireRequest describes q to the store, under this handler's timings.
 func (h *Handler) acquireRequest(q *request) AcquireRequest {
+	method, u := clientRequest(q.r)
 	return AcquireRequest{
 		Key:         q.rk,
 		Token:       q.token,
 		Fingerprint: q.fp,
-		Method:      strings.ToUpper(clientRequest(q.r).Method),
-		Path:        clientPath(q.r),
+		Method:      strings.ToUpper(method),
+		Path:        u.EscapedPath(),
 		LockTimeout: time.Duration(h.LockTimeout),
 		Retention:   time.Duration(h.Retention),
 	}
