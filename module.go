@@ -355,8 +355,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		go h.pruneLoop(ctx, time.Duration(*h.PruneInterval))
 	}
 	// Which release runs, for a support case: Caddy has no place for it.
+	// h.logger names the server already.
 	h.logger.Info("idempotency.provisioned", zap.String("version", Version),
-		zap.String("server", h.metrics.server), zap.String("store", mod.(caddy.Module).CaddyModule().ID.Name()))
+		zap.String("store", mod.(caddy.Module).CaddyModule().ID.Name()))
 	return nil
 }
 

@@ -5,6 +5,7 @@ package idempotency
 import (
 	"bytes"
 	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
@@ -121,6 +122,7 @@ http://127.0.0.1:%d {
 		{"idempotency.fail_open", "warn", common},
 		{"idempotency.shadow", "info", append(common, "would", "original_status", "age_seconds")},
 		{"idempotency.prune", "info", []string{"server", "rows"}},
+		{"idempotency.provisioned", "info", []string{"server", "version", "store"}},
 	}
 	lines := srv.moduleLogLines(t)
 	for _, w := range want {
@@ -182,6 +184,43 @@ http://127.0.0.1:%d {
 	if bytes.Contains(data, []byte(strings.TrimPrefix(secret, "Bearer "))) {
 		t.Errorf("the raw credential is in the log")
 	}
+	// A field written twice (the logger's own and the line's) is a JSON
+	// object with a duplicate name: log pipelines keep either one.
+	for _, line := range bytes.Split(data, []byte("\n")) {
+		if !bytes.Contains(line, []byte(`"logger":"http.handlers.idempotency`)) {
+			continue
+		}
+		if name := duplicateName(t, line); name != "" {
+			t.Errorf("%q appears twice in %s", name, line)
+		}
+	}
+}
+
+// duplicateName returns a name that the JSON object line has twice at
+// its top level, or "".
+func duplicateName(t *testing.T, line []byte) string {
+	t.Helper()
+	dec := json.NewDecoder(bytes.NewReader(line))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		t.Fatalf("not a JSON object: %s", line)
+	}
+	seen := map[string]bool{}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			t.Fatalf("%v in %s", err, line)
+		}
+		name := tok.(string)
+		if seen[name] {
+			return name
+		}
+		seen[name] = true
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			t.Fatalf("%v in %s", err, line)
+		}
+	}
+	return ""
 }
 
 // The README's access log example: log_append puts both placeholders in
