@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -401,9 +400,11 @@ func packResponse(r *Response) packedResponse {
 	return packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, data: data, headerEnd: headerEnd}
 }
 
-// unpack returns a Response of the caller's own, in four allocations
-// whatever the number of headers: the map, the value slices, the strings
-// (one, which every name and value slices) and the body.
+// unpack returns a Response in three allocations whatever the number of
+// headers: the map, the value slices and the strings (one, which every
+// name and value slices). The body is the packed data's own, never
+// changed once stored, so it is shared rather than copied: a replay of a
+// large body would otherwise copy all of it to write it once.
 func (p packedResponse) unpack() *Response {
 	r := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
 	if p.data == nil {
@@ -442,7 +443,8 @@ func (p packedResponse) unpack() *Response {
 		}
 		r.Header[name] = vs
 	}
-	r.Body = bytes.Clone(p.data[p.headerEnd:])
+	// Capacity ends at the data's end: an append reallocates.
+	r.Body = p.data[p.headerEnd:len(p.data):len(p.data)]
 	return r
 }
 

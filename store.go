@@ -31,7 +31,9 @@ type Store interface {
 	// it with a lease of its own; a different request never takes over,
 	// since the dead owner may have executed. A record in progress
 	// under req.Token, with a live lease, is the caller's own, from an
-	// earlier attempt whose reply was lost: OutcomeCreated.
+	// earlier attempt whose reply was lost: OutcomeCreated. The body
+	// of a completed record's Response is the caller's to read, not to
+	// change: a store may share it between the requests it answers.
 	Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error)
 
 	// Complete stores resp on the record owned by token, marks it
