@@ -129,11 +129,11 @@ func ratios(rows []row) []ratio {
 		out = append(out, q)
 	}
 	addRatio("first execution, memory store", "5a / 1",
-		func(v map[string]float64) float64 { return v["5a"] / v["1"] }, 0.9, "5a", "1")
+		func(v map[string]float64) float64 { return v["5a"] / v["1"] }, 0.95, "5a", "1")
 	addRatio("replay, memory store", "5b / 7b",
-		func(v map[string]float64) float64 { return v["5b"] / v["7b"] }, 0.9, "5b", "7b")
+		func(v map[string]float64) float64 { return v["5b"] / v["7b"] }, 0.94, "5b", "7b")
 	addRatio("replay, replay cache (Postgres)", "4 / 7b",
-		func(v map[string]float64) float64 { return v["4"] / v["7b"] }, 0.9, "4", "7b")
+		func(v map[string]float64) float64 { return v["4"] / v["7b"] }, 0.94, "4", "7b")
 	// Batched, the store beats any design that sends a statement per
 	// request (rows 6 and 7a), and comes close to its own batched
 	// ceilings (6b, 7d).
