@@ -15,6 +15,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 )
 
@@ -85,6 +87,7 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 	const lockTimeout = 300 * time.Millisecond
 	t.Run("lock lost meanwhile", func(t *testing.T) {
 		h, s, logs := lockHandler(t, lockTimeout)
+		lostBefore := counterValue(t, h.metrics.renewLockLost)
 		s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
 		s.beforeRenew = func() error { return ErrLockLost }
 		var calls atomic.Int32
@@ -96,6 +99,9 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 		}
 		if logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "confirm")).Len() != 1 {
 			t.Errorf("no idempotency.lock_lost line for the confirmation: %v", logs.All())
+		}
+		if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 1 {
+			t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 1", n)
 		}
 	})
 	t.Run("still owned", func(t *testing.T) {
@@ -172,6 +178,7 @@ func TestShadowLateAcquireIsConfirmed(t *testing.T) {
 func TestRenewalDoesNotRaceCompletion(t *testing.T) {
 	const lockTimeout = time.Second
 	h, s, logs := lockHandler(t, lockTimeout)
+	lostBefore := counterValue(t, h.metrics.renewLockLost)
 	renewStarted, renewEnded := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	s.beforeRenew = func() error {
@@ -196,6 +203,47 @@ func TestRenewalDoesNotRaceCompletion(t *testing.T) {
 	if n := logs.FilterMessage("idempotency.lock_lost").Len(); n != 0 {
 		t.Errorf("%d idempotency.lock_lost lines, want none: %v", n, logs.All())
 	}
+	// The critical alert counts this series: a renewal that met its own
+	// completion lost nothing.
+	if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 0 {
+		t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 0", n)
+	}
+}
+
+// A renewal that finds the lock taken over while the request runs is a
+// real loss: one idempotency.lock_lost line and one count, however many
+// renewals in flight find it. Catches the count moving out of the store's
+// instrumentation and getting lost, or counting each renewal's answer.
+func TestLostRenewalIsCountedOnce(t *testing.T) {
+	const lockTimeout = 300 * time.Millisecond
+	h, s, logs := lockHandler(t, lockTimeout)
+	lostBefore := counterValue(t, h.metrics.renewLockLost)
+	s.beforeRenew = func() error {
+		time.Sleep(lockTimeout / 2) // two renewals in flight at once
+		return ErrLockLost
+	}
+	var calls atomic.Int32
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		time.Sleep(2 * lockTimeout)
+		return created(&calls).ServeHTTP(w, r)
+	})
+	serve(context.Background(), h, "renewal-lost", next)
+	if n := logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "renew")).Len(); n != 1 {
+		t.Errorf("%d idempotency.lock_lost lines during renew, want 1: %v", n, logs.All())
+	}
+	if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 1 {
+		t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 1", n)
+	}
+}
+
+// counterValue is c's value now.
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
 }
 
 // Storing the response is retried for as long as the lock cannot have

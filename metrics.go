@@ -113,7 +113,8 @@ const (
 type opMetrics struct {
 	duration prometheus.Observer
 	errors   prometheus.Counter
-	// lockLost is nil for the operations that hold no lock.
+	// lockLost is nil for the operations that hold no lock, and for
+	// renew (handlerMetrics.renewLockLost).
 	lockLost prometheus.Counter
 }
 
@@ -135,7 +136,7 @@ func newStoreMetrics(server string) *storeMetrics {
 	for _, op := range []string{opAcquire, opComplete, opRelease, opRenew, opPrune} {
 		m.ops[op] = opMetrics{duration: storeDuration.WithLabelValues(server, op), errors: storeErrors.WithLabelValues(server, op)}
 	}
-	for _, op := range []string{opComplete, opRelease, opRenew} {
+	for _, op := range []string{opComplete, opRelease} {
 		om := m.ops[op]
 		om.lockLost = lockLost.WithLabelValues(server, op)
 		m.ops[op] = om
@@ -153,12 +154,26 @@ func startupErrors(ctx caddy.Context) prometheus.Counter {
 // handlerMetrics is what a handler counts its requests with: the name of
 // its HTTP server, and that server's counters by result.
 type handlerMetrics struct {
-	server        string
-	results       map[string]prometheus.Counter
-	notReplayable prometheus.Counter
-	// nil in a handler that was never provisioned (unit tests).
+	server             string
+	results            map[string]prometheus.Counter
+	notReplayable      prometheus.Counter
 	bodyBudgetRefusals prometheus.Counter
 	replayAge          prometheus.Observer
+	// renewLockLost is counted by the lock keeper, not by the store's
+	// instrumentation: a renewal that loses the race to its own
+	// completion finds the lock gone, and nothing was lost.
+	renewLockLost prometheus.Counter
+}
+
+func newHandlerMetrics(server string) handlerMetrics {
+	return handlerMetrics{
+		server:             server,
+		results:            resultCounters(server),
+		notReplayable:      notReplayable.WithLabelValues(server),
+		bodyBudgetRefusals: bodyBudgetRefusals.WithLabelValues(server),
+		replayAge:          replayAge.WithLabelValues(server),
+		renewLockLost:      lockLost.WithLabelValues(server, opRenew),
+	}
 }
 
 // resultCounters returns the counter of every result that enforcing mode
@@ -194,14 +209,7 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 			return err
 		}
 	}
-	server := serverName(ctx)
-	h.metrics = handlerMetrics{
-		server:             server,
-		results:            resultCounters(server),
-		notReplayable:      notReplayable.WithLabelValues(server),
-		bodyBudgetRefusals: bodyBudgetRefusals.WithLabelValues(server),
-		replayAge:          replayAge.WithLabelValues(server),
-	}
+	h.metrics = newHandlerMetrics(serverName(ctx))
 	return nil
 }
 
@@ -229,8 +237,9 @@ type instrumentedStore struct {
 
 // observe records one round trip. An error is a store failure unless
 // the caller gave up (a client that left, a config that unloaded) or
-// lost its lock; a store that timed out has failed. Every lost lock the
-// store reports is one idempotency.lock_lost line of the handler.
+// lost its lock; a store that timed out has failed. Every lost lock a
+// completion or release reports is one idempotency.lock_lost line of the
+// handler; a renewal's are counted where the handler logs them.
 func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, err error) {
 	m := s.m.ops[op]
 	m.duration.Observe(time.Since(start).Seconds())

@@ -133,9 +133,7 @@ func (h *Handler) readBody(r *http.Request) (body []byte, held int64, prob *prob
 	}
 	size = min(size, initialBodyBuffer, limit)
 	overBudget := func() *problem {
-		if c := h.metrics.bodyBudgetRefusals; c != nil {
-			c.Inc()
-		}
+		h.metrics.bodyBudgetRefusals.Inc()
 		p := probBodyBudget
 		return &p
 	}

@@ -58,7 +58,7 @@ func (b *stallingBody) Close() error { return nil }
 
 // A declared Content-Length allocates nothing until its bytes arrive.
 func TestReadBodyAllocatesWithArrivals(t *testing.T) {
-	h := &Handler{MaxRequestBody: 2 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	h := &Handler{MaxRequestBody: 2 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}, metrics: newHandlerMetrics("unit")}
 	r := httptest.NewRequest(http.MethodPost, "/pay", nil)
 	r.Body = &stallingBody{}
 	r.ContentLength = 1 << 20
@@ -226,7 +226,7 @@ func TestRequestBodyBudget(t *testing.T) {
 // Bodies read in chunks reach the upstream byte for byte, and hold the
 // budget for their size only once whole.
 func TestReadBodyChunks(t *testing.T) {
-	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}, metrics: newHandlerMetrics("unit")}
 	for _, n := range []int{0, 1, initialBodyBuffer - 1, initialBodyBuffer, initialBodyBuffer + 1, 3*initialBodyBuffer + 5, 1 << 20} {
 		for _, declared := range []bool{true, false} {
 			want := sizedBody("chunks", n)
@@ -282,7 +282,7 @@ func TestRequestBodyBudgetConfig(t *testing.T) {
 // grown through: doubling up to 1 MiB allocated twice the body, garbage
 // that the heap grew by before a collection.
 func TestReadBodyAllocatesItsSizeOnce(t *testing.T) {
-	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}, metrics: newHandlerMetrics("unit")}
 	want := sizedBody("once", 1<<20-100)
 	read := func() {
 		r := httptest.NewRequest(http.MethodPost, "/pay", bytes.NewReader(want))
@@ -356,7 +356,7 @@ func (b *waitingBody) Close() error { return nil }
 // they waited: each reserved (and allocated) its first 64 KiB before a
 // byte arrived.
 func TestDeclaredBodiesHoldNoBudgetUntilTheyArrive(t *testing.T) {
-	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}}
+	h := &Handler{MaxRequestBody: 1 << 20, bodyBudget: &bodyBudget{limit: defaultBodyBudget}, metrics: newHandlerMetrics("unit")}
 	const waiting = 1030
 	arrive := make(chan struct{})
 	var entered sync.WaitGroup
