@@ -2,7 +2,9 @@ package idempotency
 
 import (
 	"context"
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -69,4 +71,57 @@ func TestReplicationCheck(t *testing.T) {
 			}
 		}
 	}
+}
+
+// A node demoted behind a connection that outlives it (a PgBouncer in
+// front of each Patroni node keeps its clients' connections while its
+// server turns standby) answers every write with 25006. The store must
+// let go of those connections and find the primary on the multi-host
+// DSN, not fail every request until pgxpool's MaxConnLifetime (an hour).
+// A server set read-only by a reload stands in for the demotion: its
+// sessions stay open and turn read-only, as a pooler's do.
+func TestReadOnlyNodeIsLeft(t *testing.T) {
+	a, _ := startPGPrimary(t, "''")
+	b, _ := startPGPrimary(t, "''")
+	// The table exists on both nodes, as it would after a failover.
+	provisionTestStore(t, &PostgresStore{DSN: b.PrimaryDSN(), Table: "idempotency_keys"})
+	dsn := fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
+		a.PrimaryPort, b.PrimaryPort)
+	s := provisionTestStore(t, &PostgresStore{DSN: dsn, Table: "idempotency_keys", MaxConns: 4})
+	ctx := context.Background()
+	// Fill the pool: every connection is on a, and read-write.
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Go(func() {
+			mustAcquirePG(t, s, testAcquireRequest("cred", fmt.Sprintf("warm-%d", i), "{}"), OutcomeCreated)
+		})
+	}
+	wg.Wait()
+
+	pgExec(t, a.PrimaryDSN(), "ALTER SYSTEM SET default_transaction_read_only = on")
+	pgExec(t, a.PrimaryDSN(), "SELECT pg_reload_conf()")
+	waitFor(t, 10*time.Second, "node a to turn read-only", func() bool {
+		return pgQuery(t, a.PrimaryDSN(), "SHOW default_transaction_read_only")[0][0] == "on"
+	})
+
+	var errs []error
+	for i := range 10 {
+		req := testAcquireRequest("cred", fmt.Sprintf("after-%d", i), "{}")
+		res, err := s.Acquire(ctx, req)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if res.Outcome != OutcomeCreated {
+			t.Fatalf("acquire after the demotion: outcome %v", res.Outcome)
+		}
+		if n := pgQuery(t, b.PrimaryDSN(), "SELECT count(*) FROM idempotency_keys WHERE key = $1", req.Key.Key)[0][0]; n != "1" {
+			t.Errorf("the record is not on node b, the writable one (%s rows)", n)
+		}
+		if len(errs) > 0 {
+			t.Errorf("%d acquires failed before the store left the read-only node, want none: %v", len(errs), errs)
+		}
+		return
+	}
+	t.Fatalf("every acquire failed after node a turned read-only: %v", errs)
 }

@@ -60,8 +60,12 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		// (SafeToRetry): that attempt sent nothing either.
 		var connectErr *pgconn.ConnectError
 		refused := errors.As(err, &connectErr)
+		// A server that answers read-only was demoted behind a
+		// connection that outlived it (a pooler in front of each node):
+		// nothing was written, and the pool, emptied, dials for the
+		// primary again.
 		mayHaveCommitted = mayHaveCommitted || connectionLost(err) && !refused && !pgconn.SafeToRetry(err)
-		if !connectionLost(err) || refused && !mayHaveCommitted || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
+		if !connectionLost(err) && !readOnly(err) || refused && !mayHaveCommitted || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
 			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 		t := time.NewTimer(backoff)
@@ -203,9 +207,31 @@ func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []erro
 // out by failing one statement on each: a completion retried against
 // them could run out its lock's lifetime on dead connections, and a
 // retry would then execute the request again.
+//
+// It empties the pool, too, when the server ends sessions (57P0x:
+// shutting down, starting, database dropped, which a pooler may relay at
+// a severity of its own), and
+// when it answers read-only: a pooler in front of each node keeps its
+// clients' connections while its node is demoted, and those connections
+// would answer every statement with 25006 for as long as they lived (an
+// hour, by pgxpool's default), where new ones find the primary that
+// target_session_attrs=read-write asks for.
 func (s *PostgresStore) dropDeadConns(err error) {
 	var pgErr *pgconn.PgError
-	if (errors.As(err, &pgErr) && pgErr.Severity == "FATAL") || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+	if errors.As(err, &pgErr) && (pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08") ||
+		strings.HasPrefix(pgErr.Code, "57P0") || pgErr.Code == pgReadOnly) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		s.pool.Reset()
 	}
+}
+
+// pgReadOnly is SQLSTATE read_only_sql_transaction: a statement that
+// writes, sent to a standby or to a server set read-only.
+const pgReadOnly = "25006"
+
+// readOnly reports whether err is a server refusing to write, which
+// wrote nothing.
+func readOnly(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgReadOnly
 }
