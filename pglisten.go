@@ -59,6 +59,9 @@ func (s *PostgresStore) EnableWaiting() error {
 			// pgx's parse errors quote the DSN, password included.
 			return errors.New("postgres store: listen_dsn is not a valid connection string")
 		}
+		if err := directListenDSN(c, s.pool.Config().ConnConfig); err != nil {
+			return err
+		}
 		cfg = c
 	} else {
 		cfg = s.pool.Config().ConnConfig.Copy()
@@ -80,6 +83,21 @@ func (s *PostgresStore) EnableWaiting() error {
 	s.listener.subscribe(s.channel)
 	s.sql.complete = completeSQL(s.table, true)
 	s.sql.release = releaseSQL(s.table, true)
+	return nil
+}
+
+// directListenDSN refuses a listen_dsn that the store can tell goes
+// through a transaction pooler: one in a pooled exec mode, or one on the
+// host and port of a pooled dsn. Its LISTEN would land on a server
+// connection that the pooler hands to other clients, and waiters would
+// answer only at their deadline, with nothing to say why.
+func directListenDSN(listen, store *pgx.ConnConfig) error {
+	if pooledDSN(listen) {
+		return fmt.Errorf("postgres store: listen_dsn asks for default_query_exec_mode=%s, so it is taken to go through a transaction pooler, which cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database, in pgx's default mode", listen.DefaultQueryExecMode)
+	}
+	if pooledDSN(store) && listen.Host == store.Host && listen.Port == store.Port {
+		return fmt.Errorf("postgres store: listen_dsn names the host and port of dsn (%s:%d), which goes through a transaction pooler and cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database", listen.Host, listen.Port)
+	}
 	return nil
 }
 

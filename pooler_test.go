@@ -382,6 +382,10 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 	pooled := "postgres://u@127.0.0.1:6432/db?default_query_exec_mode=exec"
 	wantCLI(t, validate(fmt.Sprintf("dsn %q", pooled)), 1, "default_query_exec_mode=exec", "transaction pooler", "set listen_dsn")
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:5432/db")), 0)
+	// A listen_dsn through the pooler would take its LISTEN to a shared
+	// server connection, and wait would never wake early.
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, pooled)), 1, "listen_dsn asks for default_query_exec_mode=exec", "transaction pooler")
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:6432/db")), 1, "listen_dsn names the host and port of dsn (127.0.0.1:6432)", "transaction pooler")
 	// cache_statement, the default, is a direct connection.
 	wantCLI(t, validate(`dsn "postgres://u@127.0.0.1:5432/db"`), 0)
 }
