@@ -116,17 +116,24 @@ func parseQuotedKey(raw string) (string, error) {
 // this handler exists to execute once. Field names are case-insensitive,
 // so the upstream still receives the header.
 func hideKeyFromTransport(header http.Header) {
-	for _, name := range transportKeyHeaders {
+	for i, name := range transportKeyHeaders {
 		if values, ok := header[name]; ok {
 			delete(header, name)
-			lower := strings.ToLower(name)
-			header[lower] = append(header[lower], values...)
+			lower := hiddenKeyHeaders[i]
+			if hidden := header[lower]; len(hidden) > 0 {
+				values = append(hidden, values...)
+			}
+			header[lower] = values
 		}
 	}
 }
 
-// transportKeyHeaders are the key headers that Go's http.Transport reads.
-var transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
+// transportKeyHeaders are the key headers that Go's http.Transport reads,
+// and hiddenKeyHeaders the names they are re-filed under.
+var (
+	transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
+	hiddenKeyHeaders    = [...]string{"idempotency-key", "x-idempotency-key"}
+)
 
 // keyValues returns the values of the key header name, with those that a
 // handler around this one re-filed (hideKeyFromTransport): a handler
@@ -135,9 +142,10 @@ var transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
 // so a lower-case one is always re-filed.
 func keyValues(header http.Header, name string) []string {
 	values := header.Values(name)
-	for _, hidden := range transportKeyHeaders {
-		if http.CanonicalHeaderKey(name) == hidden {
-			return append(values[:len(values):len(values)], header[strings.ToLower(hidden)]...)
+	canonical := http.CanonicalHeaderKey(name)
+	for i, hidden := range transportKeyHeaders {
+		if canonical == hidden {
+			return append(values[:len(values):len(values)], header[hiddenKeyHeaders[i]]...)
 		}
 	}
 	return values
