@@ -13,6 +13,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -95,10 +97,47 @@ func directListenDSN(listen, store *pgx.ConnConfig) error {
 	if pooledDSN(listen) {
 		return fmt.Errorf("postgres store: listen_dsn asks for default_query_exec_mode=%s, so it is taken to go through a transaction pooler, which cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database, in pgx's default mode", listen.DefaultQueryExecMode)
 	}
-	if pooledDSN(store) && listen.Host == store.Host && listen.Port == store.Port {
-		return fmt.Errorf("postgres store: listen_dsn names the host and port of dsn (%s:%d), which goes through a transaction pooler and cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database", listen.Host, listen.Port)
+	if !pooledDSN(store) {
+		return nil
+	}
+	for _, l := range endpoints(listen) {
+		for _, d := range endpoints(store) {
+			if l.port == d.port && sameHost(l.host, d.host) {
+				return fmt.Errorf("postgres store: listen_dsn names the host and port of dsn (%s:%d), which goes through a transaction pooler and cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database", l.host, l.port)
+			}
+		}
 	}
 	return nil
+}
+
+type endpoint struct {
+	host string
+	port uint16
+}
+
+// endpoints are the hosts and ports that cfg may connect to, its
+// fallbacks (a multi-host DSN) included.
+func endpoints(cfg *pgx.ConnConfig) []endpoint {
+	e := []endpoint{{cfg.Host, cfg.Port}}
+	for _, f := range cfg.Fallbacks {
+		e = append(e, endpoint{f.Host, f.Port})
+	}
+	return e
+}
+
+// sameHost reports whether a and b name the same host as far as the
+// configuration shows, without a DNS lookup: the same name, or two names
+// of this machine's loopback (localhost, 127.0.0.1, ::1), where a pooler
+// next to Caddy usually listens.
+func sameHost(a, b string) bool {
+	loopback := func(h string) bool {
+		if strings.EqualFold(h, "localhost") {
+			return true
+		}
+		ip := net.ParseIP(h)
+		return ip != nil && ip.IsLoopback()
+	}
+	return strings.EqualFold(a, b) || loopback(a) && loopback(b)
 }
 
 // WaitCompleted implements Waiter.

@@ -386,6 +386,11 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 	// server connection, and wait would never wake early.
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, pooled)), 1, "listen_dsn asks for default_query_exec_mode=exec", "transaction pooler")
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:6432/db")), 1, "listen_dsn names the host and port of dsn (127.0.0.1:6432)", "transaction pooler")
+	// The same pooler under another name of the loopback, or as one host
+	// of a multi-host DSN.
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@localhost:6432/db")), 1, "listen_dsn names the host and port of dsn (localhost:6432)")
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", "postgres://u@10.0.0.1:6432,[::1]:6432/db?default_query_exec_mode=exec", "host=127.0.0.1 port=6432 dbname=db")), 1, "listen_dsn names the host and port of dsn (127.0.0.1:6432)")
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:5433/db")), 0)
 	// cache_statement, the default, is a direct connection.
 	wantCLI(t, validate(`dsn "postgres://u@127.0.0.1:5432/db"`), 0)
 }
