@@ -19,7 +19,7 @@ import (
 // so that the upstream is read to the end and a complete response is
 // stored for the client's retry.
 type recorder struct {
-	*caddyhttp.ResponseWriterWrapper
+	caddyhttp.ResponseWriterWrapper
 
 	limit int64
 
@@ -41,7 +41,7 @@ type recorder struct {
 
 func newRecorder(w http.ResponseWriter, limit int64) *recorder {
 	return &recorder{
-		ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w},
+		ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w},
 		limit:                 limit,
 	}
 }
