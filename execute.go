@@ -324,6 +324,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 	}
 	switch {
 	case errors.Is(err, ErrLockLost):
+		h.metrics.lockLost.complete.Inc()
 		h.logger.Error("idempotency.lock_lost", q.fields(zap.String("during", "complete"))...)
 	case err != nil:
 		h.storeError(q, "complete", err)
@@ -340,6 +341,7 @@ func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
 	switch err := h.store.Release(ctx, q.rk, q.token); {
 	case errors.Is(err, ErrLockLost):
 		// Nothing was released: the record is another request's now.
+		h.metrics.lockLost.release.Inc()
 		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "release"))...)
 		return true
 	case err != nil:

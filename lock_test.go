@@ -87,7 +87,7 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 	const lockTimeout = 300 * time.Millisecond
 	t.Run("lock lost meanwhile", func(t *testing.T) {
 		h, s, logs := lockHandler(t, lockTimeout)
-		lostBefore := counterValue(t, h.metrics.renewLockLost)
+		lostBefore := counterValue(t, h.metrics.lockLost.renew)
 		s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
 		s.beforeRenew = func() error { return ErrLockLost }
 		var calls atomic.Int32
@@ -100,7 +100,7 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 		if logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "confirm")).Len() != 1 {
 			t.Errorf("no idempotency.lock_lost line for the confirmation: %v", logs.All())
 		}
-		if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 1 {
+		if n := counterValue(t, h.metrics.lockLost.renew) - lostBefore; n != 1 {
 			t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 1", n)
 		}
 	})
@@ -178,7 +178,7 @@ func TestShadowLateAcquireIsConfirmed(t *testing.T) {
 func TestRenewalDoesNotRaceCompletion(t *testing.T) {
 	const lockTimeout = time.Second
 	h, s, logs := lockHandler(t, lockTimeout)
-	lostBefore := counterValue(t, h.metrics.renewLockLost)
+	lostBefore := counterValue(t, h.metrics.lockLost.renew)
 	renewStarted, renewEnded := make(chan struct{}), make(chan struct{})
 	var once sync.Once
 	s.beforeRenew = func() error {
@@ -205,7 +205,7 @@ func TestRenewalDoesNotRaceCompletion(t *testing.T) {
 	}
 	// The critical alert counts this series: a renewal that met its own
 	// completion lost nothing.
-	if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 0 {
+	if n := counterValue(t, h.metrics.lockLost.renew) - lostBefore; n != 0 {
 		t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 0", n)
 	}
 }
@@ -217,7 +217,7 @@ func TestRenewalDoesNotRaceCompletion(t *testing.T) {
 func TestLostRenewalIsCountedOnce(t *testing.T) {
 	const lockTimeout = 300 * time.Millisecond
 	h, s, logs := lockHandler(t, lockTimeout)
-	lostBefore := counterValue(t, h.metrics.renewLockLost)
+	lostBefore := counterValue(t, h.metrics.lockLost.renew)
 	s.beforeRenew = func() error {
 		time.Sleep(lockTimeout / 2) // two renewals in flight at once
 		return ErrLockLost
@@ -231,7 +231,7 @@ func TestLostRenewalIsCountedOnce(t *testing.T) {
 	if n := logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "renew")).Len(); n != 1 {
 		t.Errorf("%d idempotency.lock_lost lines during renew, want 1: %v", n, logs.All())
 	}
-	if n := counterValue(t, h.metrics.renewLockLost) - lostBefore; n != 1 {
+	if n := counterValue(t, h.metrics.lockLost.renew) - lostBefore; n != 1 {
 		t.Errorf("caddy_idempotency_lock_lost_total{operation=\"renew\"} grew by %v, want 1", n)
 	}
 }

@@ -113,9 +113,6 @@ const (
 type opMetrics struct {
 	duration prometheus.Observer
 	errors   prometheus.Counter
-	// lockLost is nil for the operations that hold no lock, and for
-	// renew (handlerMetrics.renewLockLost).
-	lockLost prometheus.Counter
 }
 
 // storeMetrics are the series a handler's store operations count in, on
@@ -136,11 +133,6 @@ func newStoreMetrics(server string) *storeMetrics {
 	for _, op := range []string{opAcquire, opComplete, opRelease, opRenew, opPrune} {
 		m.ops[op] = opMetrics{duration: storeDuration.WithLabelValues(server, op), errors: storeErrors.WithLabelValues(server, op)}
 	}
-	for _, op := range []string{opComplete, opRelease} {
-		om := m.ops[op]
-		om.lockLost = lockLost.WithLabelValues(server, op)
-		m.ops[op] = om
-	}
 	return m
 }
 
@@ -159,11 +151,14 @@ type handlerMetrics struct {
 	notReplayable      prometheus.Counter
 	bodyBudgetRefusals prometheus.Counter
 	replayAge          prometheus.Observer
-	// renewLockLost is counted by the lock keeper, not by the store's
-	// instrumentation: a renewal that loses the race to its own
-	// completion finds the lock gone, and nothing was lost.
-	renewLockLost prometheus.Counter
+	// lockLost counts the handler's idempotency.lock_lost lines, where
+	// they are logged: not every ErrLockLost a store returns is one (a
+	// renewal that reaches the store after its own completion finds the
+	// lock gone, and nothing was lost).
+	lockLost lockLostCounters
 }
+
+type lockLostCounters struct{ complete, release, renew prometheus.Counter }
 
 func newHandlerMetrics(server string) handlerMetrics {
 	return handlerMetrics{
@@ -172,7 +167,11 @@ func newHandlerMetrics(server string) handlerMetrics {
 		notReplayable:      notReplayable.WithLabelValues(server),
 		bodyBudgetRefusals: bodyBudgetRefusals.WithLabelValues(server),
 		replayAge:          replayAge.WithLabelValues(server),
-		renewLockLost:      lockLost.WithLabelValues(server, opRenew),
+		lockLost: lockLostCounters{
+			lockLost.WithLabelValues(server, opComplete),
+			lockLost.WithLabelValues(server, opRelease),
+			lockLost.WithLabelValues(server, opRenew),
+		},
 	}
 }
 
@@ -229,7 +228,7 @@ func (h *Handler) countResult(repl *caddy.Replacer) {
 }
 
 // instrumentedStore times each round trip of the store it wraps and
-// counts takeovers, lost locks and pruned records. It adds no round trip.
+// counts takeovers and pruned records. It adds no round trip.
 type instrumentedStore struct {
 	Store
 	m *storeMetrics
@@ -237,25 +236,18 @@ type instrumentedStore struct {
 
 // observe records one round trip. An error is a store failure unless
 // the caller gave up (a client that left, a config that unloaded) or
-// lost its lock; a store that timed out has failed. Every lost lock a
-// completion or release reports is one idempotency.lock_lost line of the
-// handler; a renewal's are counted where the handler logs them.
+// lost its lock (handlerMetrics.lockLost); a store that timed out has
+// failed.
 func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, err error) {
 	m := s.m.ops[op]
 	m.duration.Observe(time.Since(start).Seconds())
 	m.count(ctx, err)
 }
 
-// count counts err, the outcome of one lock's operation, if it is a
-// lost lock or an error.
+// count counts err, the outcome of one lock's operation, if it is an
+// error.
 func (m opMetrics) count(ctx context.Context, err error) {
-	switch {
-	case err == nil:
-	case errors.Is(err, ErrLockLost):
-		if m.lockLost != nil {
-			m.lockLost.Inc()
-		}
-	case !errors.Is(ctx.Err(), context.Canceled):
+	if err != nil && !errors.Is(err, ErrLockLost) && !errors.Is(ctx.Err(), context.Canceled) {
 		m.errors.Inc()
 	}
 }

@@ -703,7 +703,7 @@ func (h *Handler) confirmLate(q *request) *verdict {
 	confirmed := time.Now()
 	switch err := h.renew(q.rk, q.token); {
 	case errors.Is(err, ErrLockLost):
-		h.metrics.renewLockLost.Inc()
+		h.metrics.lockLost.renew.Inc()
 		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "confirm"))...)
 		return &verdict{resultInProgress, probInProgress, h.retrySecs}
 	case err != nil:

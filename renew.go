@@ -197,7 +197,7 @@ func (r *lockKeeper) renew(due []*keptLock) {
 			// cannot help. The completion finds the lock lost.
 			if !l.lost {
 				l.lost = true
-				r.h.metrics.renewLockLost.Inc()
+				r.h.metrics.lockLost.renew.Inc()
 				r.h.logger.Error("idempotency.lock_lost",
 					zap.String("key", l.key), zap.String("credential_id", l.credID),
 					zap.String("during", "renew"))
