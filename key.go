@@ -129,10 +129,16 @@ func hideKeyFromTransport(header http.Header) {
 }
 
 // transportKeyHeaders are the key headers that Go's http.Transport reads,
-// and hiddenKeyHeaders the names they are re-filed under.
+// and hiddenKeyHeaders the names they are re-filed under, lower-cased
+// once rather than per request.
 var (
 	transportKeyHeaders = [...]string{"Idempotency-Key", "X-Idempotency-Key"}
-	hiddenKeyHeaders    = [...]string{"idempotency-key", "x-idempotency-key"}
+	hiddenKeyHeaders    = func() (lower [len(transportKeyHeaders)]string) {
+		for i, name := range transportKeyHeaders {
+			lower[i] = strings.ToLower(name)
+		}
+		return lower
+	}()
 )
 
 // keyValues returns the values of the key header name, with those that a
