@@ -84,9 +84,7 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 func connectionLost(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		// 08: connection exception; FATAL: the server ended the session
-		// (57P01, pg_terminate_backend, among others).
-		return pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08")
+		return sessionEnded(pgErr)
 	}
 	var netErr net.Error
 	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
@@ -210,19 +208,24 @@ func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []erro
 //
 // It empties the pool, too, when the server ends sessions (57P0x:
 // shutting down, starting, database dropped, which a pooler may relay at
-// a severity of its own), and
-// when it answers read-only: a pooler in front of each node keeps its
-// clients' connections while its node is demoted, and those connections
-// would answer every statement with 25006 for as long as they lived (an
-// hour, by pgxpool's default), where new ones find the primary that
-// target_session_attrs=read-write asks for.
+// a severity of its own), and when it answers read-only: a pooler in
+// front of each node keeps its clients' connections while its node is
+// demoted, and those connections would answer every statement with 25006
+// for as long as they lived (an hour, by pgxpool's default), where new
+// ones find the primary that target_session_attrs=read-write asks for.
 func (s *PostgresStore) dropDeadConns(err error) {
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08") ||
-		strings.HasPrefix(pgErr.Code, "57P0") || pgErr.Code == pgReadOnly) ||
+	if errors.As(err, &pgErr) && (sessionEnded(pgErr) || strings.HasPrefix(pgErr.Code, "57P0") || pgErr.Code == pgReadOnly) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		s.pool.Reset()
 	}
+}
+
+// sessionEnded reports whether the server ended the session with
+// pgErr: a connection exception (08), or a FATAL error (57P01,
+// pg_terminate_backend, among others).
+func sessionEnded(pgErr *pgconn.PgError) bool {
+	return pgErr.Severity == "FATAL" || strings.HasPrefix(pgErr.Code, "08")
 }
 
 // pgReadOnly is SQLSTATE read_only_sql_transaction: a statement that
