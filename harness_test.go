@@ -778,12 +778,38 @@ func (s *site) reloaded(t testing.TB) {
 
 // waitListenerReleased waits until one config only, the new one, listens
 // on the TCP address addr (as the config gives it): the config that a
-// reload replaced has closed its listener.
+// reload replaced has closed its listener. Caddy counts a listener out
+// before it closes the socket, so the kernel's list of listening sockets
+// is waited for too: a connection dialled in between lands in the old
+// socket's queue, and is reset when it closes.
 func waitListenerReleased(t testing.TB, addr string) {
 	t.Helper()
+	_, portText, _ := net.SplitHostPort(addr)
+	port, _ := strconv.Atoi(portText)
 	waitFor(t, 10*time.Second, "the old config's listener on "+addr+" to close", func() bool {
-		return caddy.ListenerUsage("tcp", addr) == 1
+		return caddy.ListenerUsage("tcp", addr) == 1 && listeningSockets(port) <= 1
 	})
+}
+
+// listeningSockets counts the TCP sockets of this machine that listen on
+// port, from /proc/net/tcp and tcp6 (Linux); elsewhere it reports 0.
+func listeningSockets(port int) int {
+	n := 0
+	local := fmt.Sprintf(":%04X", port)
+	for _, file := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		data, err := os.ReadFile(file)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			// sl local_address rem_address st ...; st 0A is LISTEN.
+			f := strings.Fields(line)
+			if len(f) > 3 && strings.HasSuffix(f[1], local) && f[3] == "0A" {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // oneShot is a client of the same site that opens a connection for each
