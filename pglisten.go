@@ -127,15 +127,16 @@ func endpoints(cfg *pgx.ConnConfig) []endpoint {
 
 // sameHost reports whether a and b name the same host as far as the
 // configuration shows, without a DNS lookup: the same name, or two names
-// of this machine's loopback (localhost, 127.0.0.1, ::1), where a pooler
-// next to Caddy usually listens.
+// of this machine (localhost, the loopback addresses, and 0.0.0.0 or ::,
+// which a client reaches this machine by), where a pooler next to Caddy
+// usually listens.
 func sameHost(a, b string) bool {
 	loopback := func(h string) bool {
 		if strings.EqualFold(h, "localhost") {
 			return true
 		}
 		ip := net.ParseIP(h)
-		return ip != nil && ip.IsLoopback()
+		return ip != nil && (ip.IsLoopback() || ip.IsUnspecified())
 	}
 	return strings.EqualFold(a, b) || loopback(a) && loopback(b)
 }

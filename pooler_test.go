@@ -389,6 +389,7 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 	// The same pooler under another name of the loopback, or as one host
 	// of a multi-host DSN.
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@localhost:6432/db")), 1, "listen_dsn names the host and port of dsn (localhost:6432)")
+	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@0.0.0.0:6432/db")), 1, "listen_dsn names the host and port of dsn (0.0.0.0:6432)")
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", "postgres://u@10.0.0.1:6432,[::1]:6432/db?default_query_exec_mode=exec", "host=127.0.0.1 port=6432 dbname=db")), 1, "listen_dsn names the host and port of dsn (127.0.0.1:6432)")
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:5433/db")), 0)
 	// cache_statement, the default, is a direct connection.
