@@ -101,7 +101,10 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 		return scrapeMetrics(t, admin).value("caddy_idempotency_store_duration_seconds", "operation", "acquire")
 	}
 
-	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(1500 * time.Millisecond)}
+	// The first request's response is held open (its record in
+	// progress) until every waiter waits: a fixed sleep let a busy
+	// machine start the waiters after the record was complete.
+	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": "waiters"}}
 	firstCh := runBackground(t, s, c)
 	up.WaitStarted(t, 1)
 	before := acquires()
@@ -110,6 +113,11 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	for range waiters {
 		go func() { replies <- s.Do(t, call{Key: c.Key, Body: c.Body}) }()
 	}
+	waitFor(t, 4*time.Second, "every waiter to look twice", func() bool {
+		return acquires()-before >= 2*waiters
+	})
+	time.Sleep(time.Second) // a waiter that polled would look again meanwhile
+	up.Open("waiters")
 	first := <-firstCh
 	for range waiters {
 		wantReplayOf(t, <-replies, first)
@@ -118,7 +126,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	// registering, the look after the wake-up; one more if the listener
 	// connected meanwhile (it wakes everyone).
 	if n := acquires() - before; n < 3*waiters || n > 4*waiters {
-		t.Errorf("%v acquires for %d waiters over 1.5s, want 3 or 4 each: polling?", n, waiters)
+		t.Errorf("%v acquires for %d waiters, want 3 or 4 each: polling?", n, waiters)
 	}
 
 	// A stuck record (its instance died; the lock is fresh for an hour,
