@@ -242,41 +242,87 @@ func BenchmarkRecorder(b *testing.B) {
 // with the memory store, in front of a handler that answers 1 KiB: the
 // handler's own cost of executing and recording, without the network.
 func BenchmarkFirstExecution(b *testing.B) {
-	rb := newReplayBench(b, 1<<10, true)
-	respBody := bytes.Repeat([]byte("x"), 1<<10)
+	fe := newFirstExecutionBench(b, 1<<10)
+	b.ReportAllocs()
+	for b.Loop() {
+		fe.run(b)
+	}
+}
+
+// firstExecutionBench executes a new key each run, with the memory store,
+// in front of a handler that answers respSize bytes with their length.
+type firstExecutionBench struct {
+	rb   *replayBench
+	next caddyhttp.Handler
+	keys []string
+	i    int
+}
+
+func newFirstExecutionBench(tb testing.TB, respSize int) *firstExecutionBench {
+	respBody := bytes.Repeat([]byte("x"), respSize)
+	length := strconv.Itoa(respSize)
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		if _, err := io.Copy(io.Discard, r.Body); err != nil {
 			return err
 		}
 		h := w.Header()
 		h["Content-Type"] = []string{"application/json"}
-		h["Content-Length"] = []string{"1024"}
+		h["Content-Length"] = []string{length}
 		w.WriteHeader(http.StatusCreated)
 		_, err := w.Write(respBody)
 		return err
 	})
-	keys := make([]string, 0, 1<<16)
-	b.ReportAllocs()
-	i := 0
-	for b.Loop() {
-		if i == len(keys) {
+	return &firstExecutionBench{rb: newReplayBench(tb, respSize, true), next: next}
+}
+
+func (fe *firstExecutionBench) run(tb testing.TB) {
+	rb := fe.rb
+	if fe.i == len(fe.keys) {
+		if b, ok := tb.(*testing.B); ok {
 			b.StopTimer()
-			for range 1 << 12 {
-				keys = append(keys, "first-"+randomHex(8))
-			}
-			b.StartTimer()
+			defer b.StartTimer()
 		}
-		rb.body.Reset(rb.req)
-		clear(rb.w.header)
-		rb.r.Header["Idempotency-Key"] = keys[i : i+1 : i+1]
-		delete(rb.r.Header, "idempotency-key")
-		i++
-		if err := rb.h.ServeHTTP(rb.w, rb.r, next); err != nil {
-			b.Fatal(err)
+		fe.keys, fe.i = make([]string, 0, 1<<12), 0
+		for range 1 << 12 {
+			fe.keys = append(fe.keys, "first-"+randomHex(8))
 		}
-		if rb.w.status != http.StatusCreated {
-			b.Fatalf("status %d", rb.w.status)
+	}
+	rb.body.Reset(rb.req)
+	clear(rb.w.header)
+	rb.r.Header["Idempotency-Key"] = fe.keys[fe.i : fe.i+1 : fe.i+1]
+	delete(rb.r.Header, "idempotency-key")
+	fe.i++
+	if err := rb.h.ServeHTTP(rb.w, rb.r, fe.next); err != nil {
+		tb.Fatal(err)
+	}
+	if rb.w.status != http.StatusCreated {
+		tb.Fatalf("status %d", rb.w.status)
+	}
+}
+
+// A first execution copies the response body once, into the recorder,
+// whose copy the memory store keeps: a store that copied it again would
+// allocate a second body per first execution.
+func TestFirstExecutionCopiesTheBodyOnce(t *testing.T) {
+	measure := func(size int) uint64 {
+		fe := newFirstExecutionBench(t, size)
+		for range 100 {
+			fe.run(t) // the keys, the store's map and the pools
 		}
+		var before, after runtime.MemStats
+		const n = 200
+		runtime.ReadMemStats(&before)
+		for range n {
+			fe.run(t)
+		}
+		runtime.ReadMemStats(&after)
+		return (after.TotalAlloc - before.TotalAlloc) / n
+	}
+	small, big := measure(1<<10), measure(64<<10)
+	extra := int64(big) - int64(small)
+	t.Logf("first execution answering 1 KiB: %d B; 64 KiB: %d B (%d more)", small, big, extra)
+	if extra > (63+8)<<10 {
+		t.Errorf("a first execution of a 64 KiB response allocates %d bytes more than one of 1 KiB: the body is copied more than once", extra)
 	}
 }
 

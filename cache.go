@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"net/http"
@@ -234,9 +233,9 @@ func (c *replayCache) get(key RecordKey, now time.Time) *Record {
 
 // put caches rec, a completed record, until deadline, if it is
 // replayable and not too large, evicting the least recently used entries
-// to make room. With copyResp, the entry holds a copy of rec's response,
-// made only once it is known to fit.
-func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time, copyResp bool) {
+// to make room. With given, rec's response is one that Complete was
+// given, which the entry shares (cachedResponse).
+func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time, given bool) {
 	resp := rec.Response
 	if rec.Status != StatusCompleted || resp == nil || !resp.Replayable || !now.Before(deadline) {
 		return
@@ -252,8 +251,8 @@ func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time, c
 		return
 	}
 	e := &cacheEntry{key: key, rec: *rec, deadline: deadline, size: size}
-	if copyResp {
-		e.rec.Response = copyCachedResponse(resp)
+	if given {
+		e.rec.Response = cachedResponse(resp)
 	}
 
 	c.mu.Lock()
@@ -338,15 +337,14 @@ func (c *replayCache) forget(token LockToken) (pendingRecord, bool) {
 	return p, ok
 }
 
-// copyCachedResponse copies resp for the cache, which must not share the
-// caller's buffers.
-func copyCachedResponse(resp *Response) *Response {
+// cachedResponse is resp as the cache keeps it: its body and headers
+// are shared, not copied, since the caller of Complete gives them up and
+// nothing changes them once stored (Store.Complete).
+func cachedResponse(resp *Response) *Response {
 	c := *resp
-	c.Body = bytes.Clone(resp.Body)
 	if c.Body == nil {
 		c.Body = []byte{}
 	}
-	c.Header = resp.Header.Clone()
 	if c.Header == nil {
 		c.Header = http.Header{}
 	}

@@ -185,7 +185,7 @@ func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]Ins
 			ir.LeaseEnds = rec.LockedUntil
 		}
 		if rec.Status == StatusCompleted {
-			body, headers := len(rec.response.data)-rec.response.headerEnd, rec.response.headerEnd
+			body, headers := len(rec.response.body), len(rec.response.headers)
 			if !rec.response.replayable {
 				body = 0
 			}

@@ -116,7 +116,7 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	// Packed (copied) outside the lock: the caller may reuse its buffers.
+	// Packed outside the lock.
 	packed := packResponse(resp)
 	err := m.records.owned(key, token, func(rec *memoryRecord) {
 		rec.Status = StatusCompleted
@@ -361,24 +361,32 @@ func (s *memoryRecords) Destruct() error {
 }
 
 // packedResponse is a completed response as the memory store keeps it:
-// its headers and body in one allocation that holds no pointers. A store
-// of many records then costs the garbage collector one small object to
-// scan per record instead of a header map, its slices and strings, which
-// with a large store was most of a first execution's collection cost.
+// its headers in one allocation that holds no pointers, and its body as
+// the caller recorded it. A store of many records then costs the garbage
+// collector two small objects to mark per record instead of a header
+// map, its slices and strings, which with a large store was most of a
+// first execution's collection cost.
 type packedResponse struct {
 	status     int
 	replayable bool
 	bodySize   int64
-	// data is the headers, each as uvarint(len(name)) name
-	// uvarint(len(values)) and uvarint(len(value)) value for each value,
-	// then, from headerEnd, the body. It is never changed once stored.
-	data      []byte
-	headerEnd int
+	// headers is each header as uvarint(len(name)) name
+	// uvarint(len(values)) and uvarint(len(value)) value for each value.
+	headers []byte
+	// body is the recorded body itself, not a copy (Store.Complete: the
+	// caller gives it up), so that a first execution allocates its
+	// response body once, in the recorder. Neither is ever changed once
+	// stored.
+	body []byte
 }
 
-// packResponse copies r into a packedResponse.
+// packResponse packs r's headers and keeps its body.
 func packResponse(r *Response) packedResponse {
-	size := len(r.Body)
+	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: r.Body}
+	if len(r.Header) == 0 {
+		return p
+	}
+	size := 0
 	for name, values := range r.Header {
 		size += 2*binary.MaxVarintLen16 + len(name)
 		for _, v := range values {
@@ -395,29 +403,32 @@ func packResponse(r *Response) packedResponse {
 			data = append(data, v...)
 		}
 	}
-	headerEnd := len(data)
-	data = append(data, r.Body...)
-	return packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, data: data, headerEnd: headerEnd}
+	p.headers = data
+	return p
 }
 
 // unpack returns a Response in three allocations whatever the number of
 // headers: the map, the value slices and the strings (one, which every
-// name and value slices). The body is the packed data's own, never
-// changed once stored, so it is shared rather than copied: a replay of a
-// large body would otherwise copy all of it to write it once.
+// name and value slices). The body is the store's own, never changed
+// once stored, so it is shared rather than copied: a replay of a large
+// body would otherwise copy all of it to write it once.
 func (p packedResponse) unpack() *Response {
 	r := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
-	if p.data == nil {
+	if p.body != nil {
+		// Capacity ends at the body's end: an append reallocates.
+		r.Body = p.body[:len(p.body):len(p.body)]
+	}
+	if p.headers == nil {
 		return r
 	}
-	hs := string(p.data[:p.headerEnd])
+	hs := string(p.headers)
 	// The data is the store's own, packed above: it is well formed.
 	next := func(i int) (int, int) {
-		n, w := binary.Uvarint(p.data[i:])
+		n, w := binary.Uvarint(p.headers[i:])
 		return int(n), i + w
 	}
 	names, values := 0, 0
-	for i := 0; i < p.headerEnd; {
+	for i := 0; i < len(p.headers); {
 		n, j := next(i)
 		c, k := next(j + n)
 		names, values = names+1, values+c
@@ -429,7 +440,7 @@ func (p packedResponse) unpack() *Response {
 	}
 	r.Header = make(http.Header, names)
 	all := make([]string, values)
-	for i := 0; i < p.headerEnd; {
+	for i := 0; i < len(p.headers); {
 		n, j := next(i)
 		name := hs[j : j+n]
 		c, k := next(j + n)
@@ -443,8 +454,6 @@ func (p packedResponse) unpack() *Response {
 		}
 		r.Header[name] = vs
 	}
-	// Capacity ends at the data's end: an append reallocates.
-	r.Body = p.data[p.headerEnd:len(p.data):len(p.data)]
 	return r
 }
 

@@ -42,7 +42,9 @@ type Store interface {
 	// request took it over), and an error wrapping ErrUnstorable if the
 	// store can never take resp. Repeated by the token that completed
 	// the record (its reply was lost), it returns nil and changes
-	// nothing: the record expires as the completion made it.
+	// nothing: the record expires as the completion made it. The caller
+	// gives resp up: a store may keep its Body and Header as they are,
+	// without a copy, and nothing changes them afterwards.
 	Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error
 
 	// Release deletes the in_progress record owned by token, so that a
