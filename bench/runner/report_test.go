@@ -107,3 +107,26 @@ func TestPooledRatios(t *testing.T) {
 		t.Errorf("report does not say that the pooled rows were not run:\n%s", out.String())
 	}
 }
+
+// Caddy's CPU per request is the row's Caddy cores over its requests/s:
+// 0.8 cores at 5,000/s is 160 µs, 0.6 at 5,000/s is 120, against 0.5 at
+// 5,000/s (100) for the baseline.
+func TestCPUOverBaseline(t *testing.T) {
+	r := func(id string, rps, caddy float64) row {
+		m := measurement{CPU: map[string]float64{"caddy": caddy}}
+		m.RPS = rps
+		return row{ID: id, measurement: m}
+	}
+	got := cpuOverBaseline([]row{r("1", 5000, 0.5), r("5a", 5000, 0.8), r("5c", 5000, 0.6)})
+	want := []string{
+		"5a  160 µs against 100: +60 µs  NOT met",
+		"5c  120 µs against 100: +20 µs  met",
+		"5a less 5c, the records kept in Caddy's heap: +40 µs",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("got\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if cpuOverBaseline([]row{r("5a", 5000, 0.8)}) != nil {
+		t.Error("lines without a baseline")
+	}
+}
