@@ -208,7 +208,7 @@ func (r *report) print(w io.Writer) {
 		for _, q := range r.Ratios {
 			verdict := "met"
 			if !q.Met {
-				verdict = fmt.Sprintf("NOT met (%.0f%% short)", (1-q.Value/q.Target)*100)
+				verdict = fmt.Sprintf("NOT met (%.1f%% short)", (1-q.Value/q.Target)*100)
 			}
 			perCPU := ""
 			if q.PerCPU > 0 {
