@@ -419,6 +419,8 @@ func (p packedResponse) unpack() *Response {
 		r.Body = p.body[:len(p.body):len(p.body)]
 	}
 	if p.headers == nil {
+		// As a store's answer has it: a map, if an empty one.
+		r.Header = http.Header{}
 		return r
 	}
 	hs := string(p.headers)
