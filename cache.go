@@ -337,11 +337,12 @@ func (c *replayCache) forget(token LockToken) (pendingRecord, bool) {
 	return p, ok
 }
 
-// cachedResponse is resp as the cache keeps it: its body and headers
-// are shared, not copied, since the caller of Complete gives them up and
-// nothing changes them once stored (Store.Complete).
+// cachedResponse is resp as the cache keeps it: its body (keptBody) and
+// headers are shared, not copied, since the caller of Complete gives
+// them up and nothing changes them once stored (Store.Complete).
 func cachedResponse(resp *Response) *Response {
 	c := *resp
+	c.Body = keptBody(resp.Body)
 	if c.Body == nil {
 		c.Body = []byte{}
 	}

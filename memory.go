@@ -382,7 +382,7 @@ type packedResponse struct {
 
 // packResponse packs r's headers and keeps its body.
 func packResponse(r *Response) packedResponse {
-	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: r.Body}
+	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: keptBody(r.Body)}
 	if len(r.Header) == 0 {
 		return p
 	}

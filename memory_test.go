@@ -533,3 +533,26 @@ func TestMemoryReloadWithOtherMaxEntriesKeepsRecords(t *testing.T) {
 	wantReplayOf(t, s.Do(t, c), first)
 	wantCount(t, up, 1)
 }
+
+// A kept body holds at most an eighth (or 256 bytes) more than its
+// bytes: a buffer grown by append, or sized for a Content-Length that
+// was not sent (a HEAD answer), is cut to its size where a store keeps
+// it; a tight one is kept as it is, without a copy.
+func TestKeptBodiesAreCutToTheirSize(t *testing.T) {
+	loose := make([]byte, 10, 64<<10)
+	tight := make([]byte, 100, 110)
+	for name, got := range map[string][]byte{
+		"memory store": packResponse(&Response{Body: loose}).body,
+		"replay cache": cachedResponse(&Response{Body: loose}).Body,
+	} {
+		if len(got) != 10 || cap(got) > 10+256 {
+			t.Errorf("%s keeps a body of %d bytes in a buffer of %d", name, len(got), cap(got))
+		}
+	}
+	if got := packResponse(&Response{Body: tight}).body; &got[0] != &tight[0] {
+		t.Error("the memory store copied a body that fits its buffer")
+	}
+	if got := cachedResponse(&Response{Body: tight}).Body; &got[0] != &tight[0] {
+		t.Error("the replay cache copied a body that fits its buffer")
+	}
+}

@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"bytes"
 	"io"
 	"net/http"
 	"strconv"
@@ -180,13 +179,6 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 	}
 	if replayable {
 		resp.Body = rec.body
-		if cap(resp.Body)-len(resp.Body) > len(resp.Body)/8 {
-			// Stores keep the body as it is given (Store.Complete): one
-			// grown by append (a response of undeclared length) is cut
-			// to its size, so that a record holds at most an eighth more
-			// than its bytes.
-			resp.Body = bytes.Clone(resp.Body)
-		}
 		if resp.Body == nil {
 			resp.Body = []byte{}
 		}

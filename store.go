@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -207,6 +208,19 @@ type RecordKey struct {
 // request whose lock was taken over cannot complete or release the
 // record of the request that took it over.
 type LockToken [16]byte
+
+// keptBody is body as a store keeps it when Complete gives it up: as it
+// is, unless its buffer is much larger than the body (a response of
+// undeclared length, grown by append; a HEAD answer's buffer sized for
+// its Content-Length), which is cut to its size, so that a kept body
+// holds at most an eighth (or 256 bytes) more than its bytes. Slack
+// under that is not worth a copy: the allocator rounds sizes up as much.
+func keptBody(body []byte) []byte {
+	if slack := cap(body) - len(body); slack > 256 && slack > len(body)/8 {
+		return bytes.Clone(body)
+	}
+	return body
+}
 
 // newLockToken returns a random token.
 func newLockToken() LockToken {
