@@ -132,13 +132,13 @@ func (rec *recorder) Flush() { _ = rec.FlushError() }
 // trailer, nor a trailer for a header.
 const trailerPrefix = "Trailer:"
 
-// headerFieldCost is what each header name and each value is counted
-// for against the limit besides its bytes: what keeping it costs (a
-// string header, a slice element, a length), at the least. Counted by
-// their bytes alone, two million empty values, the 8 MB of header lines
-// that Go's transport accepts, counted as nothing and took 10 MB a
-// record, and more for every replay that unpacks them.
-const headerFieldCost = 16
+// headerLineBytes is what a header line adds to its name and value as it
+// is sent: ": " and the line's end. Headers count against the limit as
+// they are sent, a line per value: by their names and values alone,
+// two million empty values (the 8 MB of header lines that Go's
+// transport accepts) counted as one name, and a record of them took
+// 10 MB.
+const headerLineBytes = len(": \r\n")
 
 // response returns what the store keeps: headers minus excluded ones,
 // trailers, and the body, unless headers, trailers and body together
@@ -163,9 +163,8 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 			delete(header, name)
 			continue
 		}
-		size += int64(len(name)) + headerFieldCost
 		for _, v := range values {
-			size += int64(len(v)) + headerFieldCost
+			size += int64(len(name) + headerLineBytes + len(v))
 		}
 	}
 	// A 101 handed the connection to another protocol: what followed
