@@ -131,14 +131,14 @@ func endpoints(cfg *pgx.ConnConfig) []endpoint {
 // which a client reaches this machine by), where a pooler next to Caddy
 // usually listens.
 func sameHost(a, b string) bool {
-	loopback := func(h string) bool {
+	thisMachine := func(h string) bool {
 		if strings.EqualFold(h, "localhost") {
 			return true
 		}
 		ip := net.ParseIP(h)
 		return ip != nil && (ip.IsLoopback() || ip.IsUnspecified())
 	}
-	return strings.EqualFold(a, b) || loopback(a) && loopback(b)
+	return strings.EqualFold(a, b) || thisMachine(a) && thisMachine(b)
 }
 
 // WaitCompleted implements Waiter.
