@@ -158,13 +158,14 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 	size := rec.size
 	hop := connectionNamed(header)
 	for name, values := range header {
-		canonical := http.CanonicalHeaderKey(strings.TrimPrefix(name, trailerPrefix))
+		sent := strings.TrimPrefix(name, trailerPrefix) // a trailer's line has no prefix
+		canonical := http.CanonicalHeaderKey(sent)
 		if _, skip := excluded[canonical]; skip || hop[canonical] {
 			delete(header, name)
 			continue
 		}
 		for _, v := range values {
-			size += int64(len(name) + headerLineBytes + len(v))
+			size += int64(len(sent) + headerLineBytes + len(v))
 		}
 	}
 	// A 101 handed the connection to another protocol: what followed

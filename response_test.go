@@ -662,3 +662,22 @@ func TestConnectionNamed(t *testing.T) {
 		t.Errorf("named %v, want 4 names", got)
 	}
 }
+
+// A trailer counts as its line is sent, without the prefix it is stored
+// under: a response that fits max_response_body on the wire exactly is
+// replayable, one byte more is not.
+func TestTrailersCountAsSent(t *testing.T) {
+	body := []byte("0123456789")
+	// "Trailer: X-T" (7+4+3) and "X-T: v" (3+4+1) and the body.
+	fits := int64(14 + 8 + len(body))
+	for limit, want := range map[int64]bool{fits: true, fits - 1: false} {
+		w := &discardWriter{header: http.Header{"Trailer": {"X-T"}}}
+		rec := newRecorder(w, limit)
+		rec.WriteHeader(http.StatusOK)
+		_, _ = rec.Write(body)
+		w.header.Set("X-T", "v")
+		if got := rec.response(map[string]struct{}{}).Replayable; got != want {
+			t.Errorf("limit %d: replayable %v, want %v", limit, got, want)
+		}
+	}
+}
