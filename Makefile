@@ -48,7 +48,7 @@ soak:
 	IDEMPOTENCY_SOAK=1 IDEMPOTENCY_CADDY_RACE=1 go test -race -count=1 -run '^TestInvariantExactlyOnce$$' -v -timeout 60m .
 
 fuzz:
-	for f in FuzzParseKey FuzzFingerprintStreams FuzzCaddyfile FuzzRecorder; do \
+	for f in FuzzParseKey FuzzFingerprintStreams FuzzCaddyfile FuzzRecorder FuzzKeyJSON; do \
 		go test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) . || exit 1; \
 	done
 	go test -run '^$$' -fuzz '^FuzzCanonicalJSON$$' -fuzztime $(FUZZTIME) ./internal/canonjson

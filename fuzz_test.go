@@ -232,3 +232,83 @@ func newTestExcluded() map[string]struct{} {
 	}
 	return excluded
 }
+
+// FuzzKeyJSON: whatever key key_json reads from a body, a last-wins
+// parser that matches names case-insensitively (encoding/json decoding
+// into a struct) reads too, so that one body is never processed under two
+// keys. A key read where such a parser would find another member is the
+// bug this catches: the reader stopping early in a nested value, or
+// missing a name that differs only in case.
+func FuzzKeyJSON(f *testing.F) {
+	for _, seed := range [][2]string{
+		{"/id", `{"id":"evt_123456789"}`},
+		{"/data/object/id", `{"data":{"object":{"id":"evt_A"},"object":{"id":"evt_B"}}}`},
+		{"/data/object/id", `{"data":{"object":{"id":"evt_A","x":[{"id":1}]}},"Data":{}}`},
+		{"/a/0", `{"a":["x",{"k":[1]}],"b":1,"a":1}`},
+		{"/id", `{"id":"A","ID":"B"}`},
+	} {
+		f.Add(seed[0], seed[1])
+	}
+	f.Fuzz(func(t *testing.T, pointer, body string) {
+		ptr, err := parseJSONPointer(pointer)
+		if err != nil || len(ptr) > 4 {
+			return
+		}
+		got, err := jsonPointerValue([]byte(body), ptr)
+		if err != nil {
+			return
+		}
+		want, ok := lastWinsFolded([]byte(body), ptr)
+		if !ok || want != got {
+			t.Fatalf("key_json %s in %s read %q; a last-wins, case-folding parser reads %q (found: %v)", pointer, body, got, want, ok)
+		}
+	})
+}
+
+// lastWinsFolded walks ptr as encoding/json resolves a struct field:
+// the last member whose name equals the token ignoring case.
+func lastWinsFolded(body []byte, ptr []string) (string, bool) {
+	for _, tok := range ptr {
+		dec := json.NewDecoder(bytes.NewReader(body))
+		open, err := dec.Token()
+		if err != nil {
+			return "", false
+		}
+		var last json.RawMessage
+		found := false
+		for i := 0; dec.More(); i++ {
+			var name any = i
+			if open == json.Delim('{') {
+				if name, err = dec.Token(); err != nil {
+					return "", false
+				}
+			}
+			var raw json.RawMessage
+			if dec.Decode(&raw) != nil {
+				return "", false
+			}
+			n, isName := name.(string)
+			idx, isIndex := arrayIndex(tok)
+			if isName && strings.EqualFold(n, tok) || !isName && isIndex && name == idx {
+				last, found = raw, true
+			}
+		}
+		if !found {
+			return "", false
+		}
+		body = last
+	}
+	var v any
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	if dec.Decode(&v) != nil {
+		return "", false
+	}
+	switch s := v.(type) {
+	case string:
+		return s, true
+	case json.Number:
+		return s.String(), true
+	}
+	return "", false
+}

@@ -101,13 +101,14 @@ func parseJSONPointer(s string) ([]string, error) {
 var (
 	errKeyJSONMissing = errors.New("the body is not JSON, or has no member there")
 	errKeyJSONType    = errors.New("the member is not a string or a number")
-	errKeyJSONTwice   = errors.New("the member is in the body more than once")
+	errKeyJSONTwice   = errors.New("the member is in the body more than once (names that differ only in case count as the same name)")
 )
 
 // jsonPointerValue returns the string, or the number as written, at the
-// pointer ptr in the JSON document body. A member named twice on the way
-// is an error: parsers disagree on which one counts, and the upstream's
-// might take the other.
+// pointer ptr in the JSON document body. A member named twice on the way,
+// or under names that differ only in case, is an error: parsers disagree
+// on which one counts (encoding/json matches names case-insensitively and
+// takes the last), and the upstream's might take the other.
 func jsonPointerValue(body []byte, ptr []string) (string, error) {
 	if !json.Valid(body) {
 		return "", errKeyJSONMissing
@@ -117,8 +118,11 @@ func jsonPointerValue(body []byte, ptr []string) (string, error) {
 	return pointerValue(dec, ptr)
 }
 
-// pointerValue reads the value that dec is at, and returns what ptr
-// points at inside it. The document is valid JSON.
+// pointerValue reads the value that dec is at, all of it, and returns
+// what ptr points at inside it. The document is valid JSON. Reading the
+// value to its end, closing delimiter included, is what lets the caller
+// go on to the members after it, where a second one of the same name
+// may be.
 func pointerValue(dec *json.Decoder, ptr []string) (string, error) {
 	tok, err := dec.Token()
 	if err != nil {
@@ -137,13 +141,13 @@ func pointerValue(dec *json.Decoder, ptr []string) (string, error) {
 		}
 		return "", errKeyJSONType
 	}
+	value, result, found := "", error(errKeyJSONMissing), false
 	switch tok {
 	case json.Delim('{'):
-		value, found := "", false
-		var first error
 		for dec.More() {
-			name, _ := dec.Token()
-			if name != ptr[0] {
+			tok, _ := dec.Token()
+			name, _ := tok.(string)
+			if !strings.EqualFold(name, ptr[0]) {
 				if err := skipValue(dec); err != nil {
 					return "", err
 				}
@@ -153,30 +157,40 @@ func pointerValue(dec *json.Decoder, ptr []string) (string, error) {
 				return "", errKeyJSONTwice
 			}
 			found = true
-			value, first = pointerValue(dec, ptr[1:])
-			if first == errKeyJSONTwice {
-				return "", first
+			if name != ptr[0] {
+				// Named alike but not as RFC 6901 asks: not the member,
+				// but a second one after it would be a duplicate too.
+				if err := skipValue(dec); err != nil {
+					return "", err
+				}
+				continue
+			}
+			value, result = pointerValue(dec, ptr[1:])
+			if result == errKeyJSONTwice {
+				return "", result
 			}
 		}
-		if !found {
-			return "", errKeyJSONMissing
-		}
-		return value, first
 	case json.Delim('['):
 		want, ok := arrayIndex(ptr[0])
-		value, err := "", error(errKeyJSONMissing)
 		for i := 0; dec.More(); i++ {
 			if ok && i == want {
-				value, err = pointerValue(dec, ptr[1:])
+				value, result = pointerValue(dec, ptr[1:])
+				if result == errKeyJSONTwice {
+					return "", result
+				}
 				continue
 			}
 			if err := skipValue(dec); err != nil {
 				return "", err
 			}
 		}
-		return value, err
+	default:
+		return "", errKeyJSONMissing
 	}
-	return "", errKeyJSONMissing
+	if _, err := dec.Token(); err != nil { // the closing delimiter
+		return "", errKeyJSONMissing
+	}
+	return value, result
 }
 
 // arrayIndex is the array index that a reference token names: digits

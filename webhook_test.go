@@ -31,6 +31,15 @@ func TestJSONPointer(t *testing.T) {
 		{"/list/1", `{"list":["first-one","second-one"]}`, "second-one", nil},
 		{"/n", `{"n":12345678.50}`, "12345678.50", nil}, // as written
 		{"/id", `{"id":"evt_1", "id":"evt_2"}`, "", errKeyJSONTwice},
+		{"/id", `{"id":"evt_1", "Id":"evt_2"}`, "", errKeyJSONTwice},
+		{"/id", `{"ID":"evt_123456789"}`, "", errKeyJSONMissing}, // RFC 6901 matches exactly
+		{"/a/b", `{"a":{"b":"x1234567"},"a":{"b":"y1234567"}}`, "", errKeyJSONTwice},
+		{"/a/b", `{"a":{"b":"x1234567","b":"y1234567"}}`, "", errKeyJSONTwice},
+		{"/a/b", `{"a":{"b":"x1234567","c":{"b":1}},"A":{}}`, "", errKeyJSONTwice},
+		{"/a/1/b", `{"a":[0,{"b":"x1234567"},{"b":"y1234567"}]}`, "x1234567", nil},
+		{"/a/0/b", `{"a":[{"b":"x1234567"}],"a":[]}`, "", errKeyJSONTwice},
+		{"/a/0", `{"a":["x1234567",{"k":[1]}],"b":1,"a":1}`, "", errKeyJSONTwice},
+		{"/a/b", `{"a":{"b":"x1234567","c":[{"b":2}]},"c":{"a":2}}`, "x1234567", nil},
 		{"/id", `{"object":"event"}`, "", errKeyJSONMissing},
 		{"/id", `not json`, "", errKeyJSONMissing},
 		{"/id", `{"id":"evt_1"} trailing`, "", errKeyJSONMissing},
@@ -484,5 +493,40 @@ func TestKeyJSONDeepBody(t *testing.T) {
 		if n := rc.count(id); n != 0 {
 			t.Errorf("event processed %d times, want 0", n)
 		}
+	})
+}
+
+// A member named twice anywhere on key_json's way, or under names that
+// differ only in case (encoding/json matches names case-insensitively,
+// and the last one wins), is one that parsers read differently: a
+// last-wins receiver would take the other key, so the one body would be
+// processed under two keys. At each level of a three-level pointer, the
+// request is refused as #key-malformed and reaches nothing; the same
+// body without the duplicate executes, so the refusals are the
+// duplicate's.
+func TestKeyJSONNamedTwiceAtEveryLevel(t *testing.T) {
+	bodies := []struct{ name, body string }{
+		{"data twice", `{"data":{"object":{"id":"evt_AAAAAAAA"}},"data":{"object":{"id":"evt_BBBBBBBB"}}}`},
+		{"object twice", `{"data":{"object":{"id":"evt_AAAAAAAA"},"object":{"id":"evt_BBBBBBBB"}}}`},
+		{"id twice", `{"data":{"object":{"id":"evt_AAAAAAAA","id":"evt_BBBBBBBB"}}}`},
+		{"Data after data", `{"data":{"object":{"id":"evt_AAAAAAAA"}},"Data":{"object":{"id":"evt_BBBBBBBB"}}}`},
+		{"OBJECT after object", `{"data":{"object":{"id":"evt_AAAAAAAA"},"OBJECT":{"id":"evt_BBBBBBBB"}}}`},
+		{"ID after id", `{"data":{"object":{"id":"evt_AAAAAAAA","ID":"evt_BBBBBBBB"}}}`},
+		{"id before a nested sibling", `{"data":{"object":{"id":"evt_AAAAAAAA","x":{"y":[1,{"z":2}]},"id":"evt_BBBBBBBB"}}}`},
+		{"object after an array", `{"data":{"object":{"id":"evt_AAAAAAAA"},"list":[{"object":1},[2]],"object":{"id":"evt_BBBBBBBB"}}}`},
+	}
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		s := protectedSite(t, sb, up.Addr(), "scope sender", "key_json /data/object/id")
+		for _, b := range bodies {
+			p := wantProblem(t, s.Do(t, call{Cred: noCred, Body: []byte(b.body)}), http.StatusBadRequest)
+			if !strings.HasSuffix(p.Type, "#key-malformed") || !strings.Contains(p.Detail, "more than once") {
+				t.Errorf("%s: problem %+v, want #key-malformed saying the member is there more than once", b.name, p)
+			}
+		}
+		wantCount(t, up, 0)
+		once := `{"data":{"object":{"id":"evt_AAAAAAAA","x":{"id":"other"}},"other":{"object":1}},"id":"top"}`
+		wantExecuted(t, s.Do(t, call{Cred: noCred, Body: []byte(once)}), http.StatusCreated)
+		wantCount(t, up, 1)
 	})
 }
