@@ -70,8 +70,12 @@ func (m *MemoryStore) Provision(ctx caddy.Context) error {
 	if m.MaxEntries == 0 {
 		m.MaxEntries = defaultMemoryMaxEntries
 	}
-	ctx.Logger().Warn("the memory store is not durable: records are lost when Caddy exits and are not shared with other instances; use the postgres store in production",
-		zap.Int("max_entries", m.MaxEntries))
+	if warn, err := memoryWarns(ctx); err != nil {
+		return err
+	} else if warn {
+		ctx.Logger().Warn("the memory store is not durable: records are lost when Caddy exits and are not shared with other instances; use the postgres store in production",
+			zap.Int("max_entries", m.MaxEntries))
+	}
 
 	v, _, err := memoryPool.LoadOrNew(memoryPoolKey, func() (caddy.Destructor, error) {
 		return newMemoryRecords(m.MaxEntries, time.Now), nil
@@ -86,6 +90,20 @@ func (m *MemoryStore) Provision(ctx caddy.Context) error {
 	m.records.maxEntries = m.MaxEntries
 	m.records.mu.Unlock()
 	return nil
+}
+
+// memoryWarns reports whether the memory store that ctx provisions is the
+// first of its config, the one to say that the store is not durable. A
+// store provisioned outside a config always says so.
+func memoryWarns(ctx caddy.Context) (bool, error) {
+	if !inConfig(ctx) {
+		return true, nil
+	}
+	app, err := ctx.App("idempotency")
+	if err != nil {
+		return false, err
+	}
+	return app.(*startupApp).warnMemory(), nil
 }
 
 // Cleanup releases this configuration's reference to the records.

@@ -41,6 +41,10 @@ const (
 // settings.
 type startupApp struct {
 	stores []*PostgresStore
+	// memoryWarned is set once a memory store of the config has said
+	// that it is not durable: every memory store of a process shares one
+	// set of records, so one warning is the store's, not each handler's.
+	memoryWarned bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -56,6 +60,7 @@ func (startupApp) CaddyModule() caddy.ModuleInfo {
 // its tables migrated once it has loaded, and its first requests get no
 // 503; with the database down, Caddy starts all the same.
 func (a *startupApp) Start() error {
+	a.quietFollowers()
 	for _, s := range a.stores {
 		s.start.begin(s)
 	}
@@ -69,6 +74,35 @@ func (a *startupApp) Start() error {
 		}
 	}
 	return nil
+}
+
+// quietFollowers makes the stores of several handlers that share one
+// table (its database and name) log their start as one store: the first
+// of them logs the start's lines, and the others, which start alike,
+// keep quiet. So that they do start alike, each reads the table's
+// credential secret if any of them hashes under it. Their failed
+// attempts are still counted, each on its own server's metrics.
+func (a *startupApp) quietFollowers() {
+	leaders := map[string]*PostgresStore{}
+	for _, s := range a.stores {
+		if l, ok := leaders[s.Records()]; ok {
+			s.start.quiet = true
+			l.tableSecret = l.tableSecret || s.tableSecret
+			continue
+		}
+		leaders[s.Records()] = s
+	}
+	for _, s := range a.stores {
+		s.tableSecret = s.tableSecret || leaders[s.Records()].tableSecret
+	}
+}
+
+// warnMemory reports whether a memory store of this config is the first
+// to warn that it is not durable.
+func (a *startupApp) warnMemory() bool {
+	first := !a.memoryWarned
+	a.memoryWarned = true
+	return first
 }
 
 // Stop does nothing: the stores' attempts end with the config's context.
@@ -94,6 +128,10 @@ type startup struct {
 	// errors counts the failed attempts, on the HTTP server of the
 	// handler whose store this is.
 	errors prometheus.Counter
+
+	// quiet is set on a store whose table another store of the config
+	// starts too, which logs the start for both (quietFollowers).
+	quiet bool
 }
 
 // startStore sets up the start of s: by the app of ctx's config, or, for
@@ -185,7 +223,7 @@ func (s *PostgresStore) startLoop() {
 			return
 		}
 		if err == nil {
-			if failures > 0 {
+			if failures > 0 && !st.quiet {
 				s.logger.Info("postgres store started", table,
 					zap.Int("failed_attempts", failures), zap.Duration("after", time.Since(since)))
 			}
@@ -195,6 +233,7 @@ func (s *PostgresStore) startLoop() {
 		failures++
 		st.errors.Inc()
 		switch now := time.Now(); {
+		case st.quiet:
 		case failures == 1:
 			since, reminded = now, now
 			s.logger.Error("postgres store cannot start: its protected requests answer 503 until it does; retrying in the background",
@@ -220,7 +259,7 @@ func (s *PostgresStore) prepare(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		if n > 0 {
+		if n > 0 { // under the migrations' lock, one store of a table applies them
 			s.logger.Info("applied schema migrations", zap.String("table", s.table.String()), zap.Int("count", n))
 		}
 	}

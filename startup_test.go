@@ -159,3 +159,88 @@ func TestStoreUnreachableFailsClosed(t *testing.T) {
 	// Unprotected requests do not need the store.
 	wantExecuted(t, s.Do(t, call{Method: http.MethodGet}), http.StatusCreated)
 }
+
+// Handlers that share a store log the store's start once, and their own
+// lines once each: two routes and a second site on one memory store warn
+// once that it is not durable; on one Postgres table whose database is
+// down at start, they log the outage once and its end once. Catches a
+// store's lines repeated per handler, and a follower that starts without
+// the table's secret its leader reads.
+func TestStoreStartLinesOncePerStore(t *testing.T) {
+	sites := func(port, other int, store, upstream string) string {
+		return fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency /a* {
+		%[3]s
+	}
+	idempotency /b* {
+		%[3]s
+		credential_header X-Api-Key
+	}
+	reverse_proxy %[4]s
+}
+http://127.0.0.1:%[2]d {
+	idempotency {
+		%[3]s
+	}
+	reverse_proxy %[4]s
+}
+`, port, other, store, upstream)
+	}
+	count := func(srv *caddyServer, match func(l map[string]any) bool) int {
+		n := 0
+		for _, l := range srv.moduleLogLines(t) {
+			if match(l) {
+				n++
+			}
+		}
+		return n
+	}
+	msgPrefix := func(p string) func(map[string]any) bool {
+		return func(l map[string]any) bool { msg, _ := l["msg"].(string); return strings.HasPrefix(msg, p) }
+	}
+
+	t.Run("memory", func(t *testing.T) {
+		up := newUpstream(t)
+		port, other := freeTCPPort(t), freeTCPPort(t)
+		srv := startCaddyfile(t, sites(port, other, "store memory", up.Addr()))
+		if n := count(srv, msgPrefix("the memory store is not durable")); n != 1 {
+			t.Errorf("%d not-durable warnings, want 1", n)
+		}
+		if n := count(srv, msgPrefix("idempotency.provisioned")); n != 3 {
+			t.Errorf("%d idempotency.provisioned lines, want 3: one per handler", n)
+		}
+	})
+
+	t.Run("postgres down at start", func(t *testing.T) {
+		sb := postgresBackend(t)
+		fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+		fwd.Cut()
+		up := newUpstream(t)
+		port, other := freeTCPPort(t), freeTCPPort(t)
+		store := fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", throughForwarder(t, sb.DSN, fwd), sb.Table)
+		srv := startCaddyfile(t, sites(port, other, store, up.Addr()))
+		s, o := newSiteClient(t, srv, port), newSiteClient(t, srv, other)
+		c := call{Path: "/a", Key: newKey(), Body: payBody()}
+		for range 3 { // past a few attempts of each store's start
+			wantProblem(t, s.Do(t, c), http.StatusServiceUnavailable)
+			time.Sleep(200 * time.Millisecond)
+		}
+		fwd.Restore()
+		waitFor(t, 10*time.Second, "the store's start", func() bool {
+			return s.Do(t, c).Status != http.StatusServiceUnavailable
+		})
+		wantExecuted(t, s.Do(t, call{Path: "/b", Key: newKey(), Body: payBody(), Header: map[string]string{"X-Api-Key": "k-1234567"}}), http.StatusCreated)
+		waitFor(t, 10*time.Second, "the other site's store", func() bool {
+			return o.Do(t, call{Key: newKey(), Body: payBody()}).Status == http.StatusCreated
+		})
+		if n := count(srv, msgPrefix("postgres store cannot start")); n != 1 {
+			t.Errorf("%d lines for the outage, want 1", n)
+		}
+		if n := count(srv, msgPrefix("postgres store started")); n != 1 {
+			t.Errorf("%d lines for its end, want 1", n)
+		}
+		if n := count(srv, msgPrefix("applied schema migrations")); n != 1 {
+			t.Errorf("%d migration lines, want 1", n)
+		}
+	})
+}
