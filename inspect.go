@@ -218,7 +218,10 @@ func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]Ins
 			resp := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
 			if f.WithResponse {
 				// A copy: a packed response never changes once stored.
-				resp = p.unpack()
+				var err error
+				if resp, err = p.unpack(); err != nil {
+					return nil, fmt.Errorf("memory store: %w", err)
+				}
 			}
 			sorted[i].Record.Response = resp
 		}

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/http"
@@ -124,7 +123,10 @@ func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 	if res.Record != nil && res.Record.Status == StatusCompleted {
 		// A packed response is never changed once stored, so it is
 		// unpacked outside the lock.
-		res.Record.Response = packed.unpack()
+		var uerr error
+		if res.Record.Response, uerr = packed.unpack(); uerr != nil {
+			return AcquireResult{}, fmt.Errorf("memory store: %w", uerr)
+		}
 	}
 	return res, err
 }
@@ -388,8 +390,7 @@ type packedResponse struct {
 	status     int
 	replayable bool
 	bodySize   int64
-	// headers is each header as uvarint(len(name)) name
-	// uvarint(len(values)) and uvarint(len(value)) value for each value.
+	// headers is as encodeHeaders encodes them, nil for none.
 	headers []byte
 	// body is the recorded body itself, not a copy (Store.Complete: the
 	// caller gives it up), so that a first execution allocates its
@@ -398,39 +399,20 @@ type packedResponse struct {
 	body []byte
 }
 
-// packResponse packs r's headers and keeps its body.
+// packResponse packs r's headers, as the Postgres store encodes them
+// too, and keeps its body.
 func packResponse(r *Response) packedResponse {
 	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: keptBody(r.Body)}
-	if len(r.Header) == 0 {
-		return p
+	if len(r.Header) > 0 {
+		p.headers = encodeHeaders(r.Header)
 	}
-	size := 0
-	for name, values := range r.Header {
-		size += 2*binary.MaxVarintLen16 + len(name)
-		for _, v := range values {
-			size += binary.MaxVarintLen32 + len(v)
-		}
-	}
-	data := make([]byte, 0, size)
-	for name, values := range r.Header {
-		data = binary.AppendUvarint(data, uint64(len(name)))
-		data = append(data, name...)
-		data = binary.AppendUvarint(data, uint64(len(values)))
-		for _, v := range values {
-			data = binary.AppendUvarint(data, uint64(len(v)))
-			data = append(data, v...)
-		}
-	}
-	p.headers = data
 	return p
 }
 
-// unpack returns a Response in three allocations whatever the number of
-// headers: the map, the value slices and the strings (one, which every
-// name and value slices). The body is the store's own, never changed
-// once stored, so it is shared rather than copied: a replay of a large
-// body would otherwise copy all of it to write it once.
-func (p packedResponse) unpack() *Response {
+// unpack returns the Response that p packed. The body is the store's
+// own, never changed once stored, so it is shared rather than copied: a
+// replay of a large body would otherwise copy all of it to write it once.
+func (p packedResponse) unpack() (*Response, error) {
 	r := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
 	if p.body != nil {
 		// Capacity ends at the body's end: an append reallocates.
@@ -439,42 +421,11 @@ func (p packedResponse) unpack() *Response {
 	if p.headers == nil {
 		// As a store's answer has it: a map, if an empty one.
 		r.Header = http.Header{}
-		return r
+		return r, nil
 	}
-	hs := string(p.headers)
-	// The data is the store's own, packed above: it is well formed.
-	next := func(i int) (int, int) {
-		n, w := binary.Uvarint(p.headers[i:])
-		return int(n), i + w
-	}
-	names, values := 0, 0
-	for i := 0; i < len(p.headers); {
-		n, j := next(i)
-		c, k := next(j + n)
-		names, values = names+1, values+c
-		i = k
-		for range c {
-			n, j = next(i)
-			i = j + n
-		}
-	}
-	r.Header = make(http.Header, names)
-	all := make([]string, values)
-	for i := 0; i < len(p.headers); {
-		n, j := next(i)
-		name := hs[j : j+n]
-		c, k := next(j + n)
-		i = k
-		vs := all[:c:c]
-		all = all[c:]
-		for v := range vs {
-			n, j = next(i)
-			vs[v] = hs[j : j+n]
-			i = j + n
-		}
-		r.Header[name] = vs
-	}
-	return r
+	var err error
+	r.Header, err = decodeHeaders(p.headers)
+	return r, err
 }
 
 // Records implements RecordSet: one set per process (memoryPool).

@@ -477,7 +477,10 @@ func TestPackedResponseRoundTrip(t *testing.T) {
 		"empty header value":  {Status: 200, Replayable: true, Header: http.Header{"X-Empty": {""}}, Body: []byte{}},
 	}
 	for name, want := range cases {
-		got := packResponse(want).unpack()
+		got, err := packResponse(want).unpack()
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
 		if got.Status != want.Status || got.Replayable != want.Replayable || got.BodySize != want.BodySize ||
 			!bytes.Equal(got.Body, want.Body) || len(got.Header) != len(want.Header) {
 			t.Errorf("%s: unpacked %+v, want %+v", name, got, want)

@@ -14,7 +14,7 @@ import (
 // rows still decode.
 const headerFormatBinary = 0x01
 
-// encodeHeaders encodes h for the Postgres store: the version byte, then
+// encodeHeaders encodes h as both stores keep it: the version byte, then
 // each header as uvarint(len(name)) name uvarint(len(values)) and
 // uvarint(len(value)) value for each value. Unlike JSON, it keeps any
 // byte of a name or value: a NUL, which jsonb refuses, or bytes that are
@@ -44,45 +44,61 @@ func encodeHeaders(h http.Header) []byte {
 var errHeaderEncoding = errors.New("malformed stored headers")
 
 // decodeHeaders decodes what encodeHeaders encoded, or the JSON that
-// older versions stored.
+// older versions stored. It is on the path of every replay, from either
+// store, and a store may hold many headers a record: it makes three
+// allocations whatever their number (the map, the value slices, and one
+// string that every name and value slices), after a first pass that
+// checks the data and counts them.
 func decodeHeaders(b []byte) (http.Header, error) {
 	if len(b) == 0 || b[0] != headerFormatBinary {
 		return decodeHeaderJSON(b)
 	}
 	b = b[1:]
-	// next reads a uvarint that is at most the number of bytes after it.
-	next := func() (int, bool) {
-		n, w := binary.Uvarint(b)
-		if w <= 0 || n > uint64(len(b)-w) {
-			return 0, false
+	// next reads the uvarint at i, which must be at most the number of
+	// bytes after it; it returns it and where they start.
+	next := func(i int) (int, int, bool) {
+		n, w := binary.Uvarint(b[i:])
+		if w <= 0 || n > uint64(len(b)-i-w) {
+			return 0, 0, false
 		}
-		b = b[w:]
-		return int(n), true
+		return int(n), i + w, true
 	}
-	h := make(http.Header)
-	for len(b) > 0 {
-		n, ok := next()
+	names, values := 0, 0
+	for i := 0; i < len(b); {
+		n, j, ok := next(i)
 		if !ok {
 			return nil, errHeaderEncoding
 		}
-		name := string(b[:n])
-		b = b[n:]
 		// next bounds the count by the bytes left, as each value takes
 		// at least one: a corrupt count cannot size a huge allocation.
-		c, ok := next()
+		c, k, ok := next(j + n)
 		if !ok {
 			return nil, errHeaderEncoding
 		}
-		values := make([]string, c)
-		for i := range values {
-			n, ok := next()
-			if !ok {
+		names, values, i = names+1, values+c, k
+		for range c {
+			if n, j, ok = next(i); !ok {
 				return nil, errHeaderEncoding
 			}
-			values[i] = string(b[:n])
-			b = b[n:]
+			i = j + n
 		}
-		h[name] = values
+	}
+	h := make(http.Header, names)
+	all := make([]string, values)
+	str := string(b)
+	for i := 0; i < len(b); {
+		n, j, _ := next(i)
+		name := str[j : j+n]
+		c, k, _ := next(j + n)
+		i = k
+		vs := all[:c:c]
+		all = all[c:]
+		for v := range vs {
+			n, j, _ = next(i)
+			vs[v] = str[j : j+n]
+			i = j + n
+		}
+		h[name] = vs
 	}
 	return h, nil
 }
