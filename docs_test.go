@@ -1,6 +1,8 @@
 package idempotency
 
 import (
+	"encoding/json"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -8,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"unicode"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // docFiles are the Markdown files that ship with the module and link to
@@ -147,33 +151,112 @@ func TestREADMEQuickStart(t *testing.T) {
 	}
 }
 
-// Every Caddyfile in the docs that is a whole config (not the syntax
-// block, whose <placeholders> are no Caddyfile) adapts as written: a
-// user copies them.
-func TestDocCaddyfilesAdapt(t *testing.T) {
-	block := regexp.MustCompile("(?ms)^```caddyfile\n(.*?)^```")
-	n := 0
+// mdCaddyfileFence is a ```caddyfile block, its fence indented or not (a
+// block in a list item is indented as the item's text).
+var mdCaddyfileFence = regexp.MustCompile("(?ms)^( *)```caddyfile\n(.*?)^ *```")
+
+// docCaddyfile is a Caddyfile that a user may copy: a ```caddyfile block of
+// a doc, or a whole file.
+type docCaddyfile struct {
+	where string // file:line of its first line
+	text  string // as a user gets it: the fence's indentation removed
+}
+
+// docCaddyfiles returns the ```caddyfile blocks of the docs and the whole
+// of Caddyfile.example.
+func docCaddyfiles(t *testing.T) []docCaddyfile {
+	t.Helper()
+	var out []docCaddyfile
 	for _, f := range docFiles(t) {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, m := range block.FindAllStringSubmatch(string(b), -1) {
-			if strings.Contains(m[1], "<") {
-				continue
+		text := string(b)
+		for _, m := range mdCaddyfileFence.FindAllStringSubmatchIndex(text, -1) {
+			indent := text[m[2]:m[3]]
+			lines := strings.SplitAfter(text[m[4]:m[5]], "\n")
+			for i, l := range lines {
+				lines[i] = strings.TrimPrefix(l, indent)
 			}
-			n++
-			_, _, err := adaptCaddyfile(m[1])
-			if err != nil && strings.Contains(err.Error(), "directives must appear in a site block") {
-				// A snippet of a site: its directives, as they go in one.
-				_, _, err = adaptCaddyfile("example.com {\n" + m[1] + "}\n")
-			}
-			if err != nil {
-				t.Errorf("%s: a Caddyfile does not adapt: %v\n%s", f, err, m[1])
-			}
+			line := strings.Count(text[:m[4]], "\n") + 1
+			out = append(out, docCaddyfile{f + ":" + strconv.Itoa(line), strings.Join(lines, "")})
 		}
 	}
-	if n == 0 {
+	b, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return append(out, docCaddyfile{"Caddyfile.example:1", string(b)})
+}
+
+// A Caddyfile that is not as `caddy fmt` writes it makes Caddy warn
+// "input is not formatted" at every start: each one a user may copy must
+// be formatted already (tabs, one space between tokens). A syntax summary
+// with <placeholders> is no Caddyfile and is fenced as text.
+func TestDocCaddyfilesAreFormatted(t *testing.T) {
+	cfs := docCaddyfiles(t)
+	for _, cf := range cfs {
+		if got := string(caddyfile.Format([]byte(cf.text))); got != cf.text {
+			t.Errorf("%s: a Caddyfile is not as caddy fmt writes it; want:\n%s\ngot:\n%s", cf.where, got, cf.text)
+		}
+	}
+	if len(cfs) < 2 {
 		t.Fatal("no Caddyfile found in the docs")
+	}
+}
+
+// Every Caddyfile in the docs adapts as written, and a whole config (not a
+// snippet of a site) without a warning: a user copies them. The demo is
+// bound to the loopback addresses only.
+func TestDocCaddyfilesAdapt(t *testing.T) {
+	for _, cf := range docCaddyfiles(t) {
+		if strings.Contains(cf.text, "<") {
+			t.Errorf("%s: a ```caddyfile block with <placeholders>: fence a syntax summary as text", cf.where)
+			continue
+		}
+		_, warnings, err := adaptCaddyfile(cf.text)
+		if err != nil && strings.Contains(err.Error(), "directives must appear in a site block") {
+			// A snippet of a site: its directives, as they go in one.
+			_, _, err = adaptCaddyfile("example.com {\n" + cf.text + "}\n")
+			warnings = nil
+		}
+		if err != nil {
+			t.Errorf("%s: a Caddyfile does not adapt: %v\n%s", cf.where, err, cf.text)
+		}
+		for _, w := range warnings {
+			t.Errorf("%s: adapting warns: %s", cf.where, w.String())
+		}
+	}
+	b, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, _, err := adaptCaddyfile(string(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var demo struct {
+		Apps struct {
+			HTTP struct {
+				Servers map[string]struct {
+					Listen []string `json:"listen"`
+				} `json:"servers"`
+			} `json:"http"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal(cfg, &demo); err != nil {
+		t.Fatal(err)
+	}
+	for name, srv := range demo.Apps.HTTP.Servers {
+		for _, addr := range srv.Listen {
+			host, _, err := net.SplitHostPort(strings.TrimPrefix(addr, "tcp/"))
+			if ip := net.ParseIP(host); err != nil || ip == nil || !ip.IsLoopback() {
+				t.Errorf("Caddyfile.example: server %s listens on %q, not a loopback address only", name, addr)
+			}
+		}
+		if len(srv.Listen) == 0 {
+			t.Errorf("Caddyfile.example: server %s listens on every interface", name)
+		}
 	}
 }
