@@ -132,23 +132,63 @@ func TestDocPagesDoNotRepeatTheirTitle(t *testing.T) {
 }
 
 // The quick start is the first thing a user runs: its two commands must
-// stay exactly these, and the demo config they name must exist.
+// stay exactly these, the test command the one that make test and CI run,
+// and the demo config they name must exist.
 func TestREADMEQuickStart(t *testing.T) {
-	b, err := os.ReadFile("README.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, cmd := range []string{
-		"go run ./cmd/caddy run --config Caddyfile.example",
-		"go test -race -count=1 -timeout 30m ./...",
-	} {
-		if !strings.Contains(string(b), cmd) {
+	readme := readDoc(t, "README.md")
+	const testCmd = "go test -race -count=1 -timeout 30m ./..."
+	for _, cmd := range []string{"go run ./cmd/caddy run --config Caddyfile.example", testCmd} {
+		if !strings.Contains(readme, cmd) {
 			t.Errorf("README.md lacks the quick start command %q", cmd)
 		}
+	}
+	if !strings.Contains(readDoc(t, "Makefile"), "test:\n\t"+testCmd+"\n") {
+		t.Errorf("make test does not run the README's %q", testCmd)
+	}
+	if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(testCmd) + `$`).MatchString(readDoc(t, ".ci/run")) {
+		t.Errorf(".ci/run does not run the README's %q", testCmd)
 	}
 	if _, err := os.Stat("Caddyfile.example"); err != nil {
 		t.Error(err)
 	}
+}
+
+// The README's build by hand names the versions that make xcaddy uses
+// (the Makefile's XCADDY_VERSION, go.mod's Caddy, version.go's Version),
+// and the supported Caddy range is go.mod's Caddy to the Makefile's
+// CADDY_NEWEST: a release that moves one must move the README too.
+func TestREADMEBuildVersions(t *testing.T) {
+	readme := readDoc(t, "README.md")
+	makefile := readDoc(t, "Makefile")
+	find := func(file, text, re string) string {
+		t.Helper()
+		m := regexp.MustCompile(re).FindStringSubmatch(text)
+		if m == nil {
+			t.Fatalf("%s: no match for %s", file, re)
+		}
+		return m[1]
+	}
+	xcaddy := find("Makefile", makefile, `(?m)^XCADDY_VERSION \?= (\S+)$`)
+	newest := find("Makefile", makefile, `(?m)^CADDY_NEWEST \?= (\S+)$`)
+	oldest := find("go.mod", readDoc(t, "go.mod"), `(?m)^\s*github.com/caddyserver/caddy/v2 (\S+)$`)
+	for _, want := range []string{
+		"go install github.com/caddyserver/xcaddy/cmd/xcaddy@" + xcaddy + "\n",
+		"xcaddy build " + oldest + " --with github.com/caddy-idempotency/idempotency@" + Version + "=.\n",
+		"Supported Caddy: " + oldest + " to " + newest,
+	} {
+		if !strings.Contains(readme, want) {
+			t.Errorf("README.md lacks %q", want)
+		}
+	}
+}
+
+func readDoc(t *testing.T, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
 }
 
 // mdCaddyfileFence is a ```caddyfile block, its fence indented or not (a
