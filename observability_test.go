@@ -168,7 +168,7 @@ http://127.0.0.1:%d {
 	if servers["idempotency.replay"] == servers["idempotency.fail_open"] {
 		t.Errorf("the lines of two sites on two servers name one server, %v", servers["idempotency.replay"])
 	}
-	// A sample of each line, as written, for the README and the curious.
+	// A sample of each line, as written, for docs/operations.md and the curious.
 	data, err := os.ReadFile(srv.LogPath)
 	if err != nil {
 		t.Fatal(err)
@@ -223,7 +223,7 @@ func duplicateName(t *testing.T, line []byte) string {
 	return ""
 }
 
-// The README's access log example: log_append puts both placeholders in
+// docs/operations.md's access log example: log_append puts both placeholders in
 // every access log line of a protected request.
 func TestAccessLogPlaceholders(t *testing.T) {
 	up := newUpstream(t)

@@ -397,7 +397,7 @@ func TestStripeWebhookWait(t *testing.T) {
 	})
 }
 
-// The README's senders on one table: Stripe (key in the body) and three
+// docs/configuration.md's senders on one table: Stripe (key in the body) and three
 // that send it in a header, each delivery with a new signature. The same
 // key string under each scope is another event, executed once.
 func TestWebhookScopesShareATable(t *testing.T) {
