@@ -16,6 +16,9 @@ func (s *PostgresStore) Prune(ctx context.Context, batchSize int) (int64, error)
 		return 0, err
 	}
 	n, _, err := s.prune(ctx, batchSize)
+	if err != nil {
+		s.nameExecMode(err)
+	}
 	return n, err
 }
 

@@ -62,7 +62,7 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 	sql, args := s.sql.acquire.forRows(len(calls), []any{hashes, keys, fingerprints, methods, paths, tokens, retentions, locks})
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
-		s.dropDeadConns(err)
+		s.failed(err)
 		fail(err)
 		return
 	}
@@ -137,7 +137,7 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 		err = fmt.Errorf("the statement answered %d of %d requests", answered, len(calls))
 	}
 	if err != nil {
-		s.dropDeadConns(err)
+		s.failed(err)
 		fail(err)
 	}
 }
@@ -276,7 +276,7 @@ func (s *PostgresStore) sendOwned(ctx context.Context, op string, st statement, 
 	if err == nil {
 		return
 	}
-	s.dropDeadConns(err)
+	s.failed(err)
 	if permanentError(err) && len(calls) > 1 {
 		for _, c := range calls {
 			c.res = false

@@ -15,6 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
 )
 
 // acquireAttempts bounds the retries of Acquire's statement. It returns
@@ -121,7 +122,7 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 func (s *PostgresStore) afterLockLost(ctx context.Context, op, check string, args ...any) error {
 	var done bool
 	if err := s.pool.QueryRow(ctx, check, args...).Scan(&done); err != nil {
-		s.dropDeadConns(err)
+		s.failed(err)
 		return fmt.Errorf("postgres store: %s: %w", op, err)
 	}
 	if done {
@@ -197,6 +198,46 @@ func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []erro
 		}
 	}
 	return errs
+}
+
+// failed is what the store learns from err, the failure of one of its
+// statements: that its connections are dead (dropDeadConns), or that
+// they go through a pooler that loses their prepared statements
+// (nameExecMode).
+func (s *PostgresStore) failed(err error) {
+	s.dropDeadConns(err)
+	s.nameExecMode(err)
+}
+
+// SQLSTATEs that a server answers a statement with when a connection
+// prepares a statement under a name that it already has, or uses one
+// that it does not have.
+const (
+	pgDuplicatePreparedStatement = "42P05"
+	pgInvalidStatementName       = "26000"
+)
+
+// nameExecMode logs, once per pool, what these errors mean when pgx
+// prepares named statements (its default mode, cache_statement): the dsn
+// goes through a transaction pooler, which gives a client's next
+// transaction another server connection, where the statement the client
+// prepared is missing, or another client's of the same name is already
+// there. The store never names a statement itself: every named one is
+// pgx's (stmtcache_...). Each request still fails closed, and its
+// store_error line quotes the server's error, which names neither the
+// pooler nor the setting that fixes it.
+func (s *PostgresStore) nameExecMode(err error) {
+	var pgErr *pgconn.PgError
+	if !s.prepares || !errors.As(err, &pgErr) ||
+		pgErr.Code != pgDuplicatePreparedStatement && pgErr.Code != pgInvalidStatementName ||
+		!s.execModeNamed.CompareAndSwap(false, true) {
+		return
+	}
+	s.logger.Error("idempotency.exec_mode",
+		zap.String("table", s.table.String()), zap.String("sqlstate", pgErr.Code), zap.Error(err),
+		zap.String("fix", "the dsn goes through a transaction pooler (PgBouncer pool_mode = transaction) that does not keep "+
+			"the statements pgx prepares in its default mode, cache_statement: add default_query_exec_mode=cache_describe "+
+			"to the dsn (or give PgBouncer 1.21+ max_prepared_statements); see the README, \"Behind a connection pooler\""))
 }
 
 // dropDeadConns empties the pool when err says the server ended a

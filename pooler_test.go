@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -86,6 +87,13 @@ max_client_conn = 500
 logfile = %[5]s/pgbouncer.log
 pidfile = %[5]s/pgbouncer.pid
 `, b.db, upstream.Host, upstream.Port, b.Port, dir, b.user, serverConns)
+	// PgBouncer 1.21 learnt to carry named prepared statements
+	// (max_prepared_statements, on by default from 1.24): the pooler the
+	// store must work behind is the one without, which older versions
+	// refuse to be told about.
+	if carriesPreparedStatements(t, bin) {
+		cfg += "max_prepared_statements = 0\n"
+	}
 	if err := os.WriteFile(filepath.Join(dir, "pgbouncer.ini"), []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -143,11 +151,31 @@ pidfile = %[5]s/pgbouncer.pid
 	}
 }
 
+// carriesPreparedStatements reports whether the PgBouncer at bin is 1.21
+// or later, which has max_prepared_statements.
+func carriesPreparedStatements(t testing.TB, bin string) bool {
+	t.Helper()
+	out, err := exec.Command(bin, "--version").Output()
+	if err != nil {
+		t.Fatalf("%s --version: %v", bin, err)
+	}
+	var major, minor int
+	if _, err := fmt.Sscanf(string(out), "PgBouncer %d.%d", &major, &minor); err != nil {
+		t.Fatalf("%s --version printed %q: %v", bin, out, err)
+	}
+	return major > 1 || major == 1 && minor >= 21
+}
+
 // DSN is the test database through the pooler, with pgx's
-// default_query_exec_mode set to mode.
+// default_query_exec_mode set to mode, or left to pgx's default
+// (cache_statement) for "".
 func (b *pgBouncer) DSN(mode string) string {
 	u := url.URL{Scheme: "postgres", User: url.User(b.user), Host: fmt.Sprintf("127.0.0.1:%d", b.Port), Path: "/" + b.db}
-	u.RawQuery = url.Values{"sslmode": {"disable"}, "default_query_exec_mode": {mode}}.Encode()
+	q := url.Values{"sslmode": {"disable"}}
+	if mode != "" {
+		q.Set("default_query_exec_mode", mode)
+	}
+	u.RawQuery = q.Encode()
 	return u.String()
 }
 
@@ -394,4 +422,139 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 	wantCLI(t, validate(fmt.Sprintf("dsn %q\n\t\t\tlisten_dsn %q", pooled, "postgres://u@127.0.0.1:5433/db")), 0)
 	// cache_statement, the default, is a direct connection.
 	wantCLI(t, validate(`dsn "postgres://u@127.0.0.1:5432/db"`), 0)
+}
+
+// A DSN through a transaction pooler in pgx's default mode,
+// cache_statement: pgx prepares each statement once per connection,
+// under a name of its own, but the pooler gives that connection another
+// server connection for its next transaction, where the statement is
+// missing (26000) or another client's copy already is (42P05). Requests
+// fail closed, as with any store error, and one line for the store,
+// however many handlers share it and requests fail, names the setting
+// that fixes it. Two sites share the store's pool here.
+func TestPooledDSNInDefaultModeIsNamed(t *testing.T) {
+	bouncer := startPgBouncer(t, 2)
+	table := freshTable(t)
+	up := newUpstream(t)
+	ports := [2]int{freeTCPPort(t), freeTCPPort(t)}
+	var sites string
+	for _, port := range ports {
+		sites += fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store postgres {
+			dsn %q
+			table %s
+			max_conns 8
+		}
+		prune_interval 0
+	}
+	reverse_proxy %s
+}
+`, port, bouncer.DSN(""), table, up.Addr())
+	}
+	srv := startCaddyfile(t, sites)
+	clients := [2]*site{newSiteClient(t, srv, ports[0]), newSiteClient(t, srv, ports[1])}
+
+	type sent struct {
+		c   call
+		r   reply
+		err error
+	}
+	var (
+		mu      sync.Mutex
+		answers []sent
+	)
+	refused := func() int {
+		mu.Lock()
+		defer mu.Unlock()
+		n := 0
+		for _, a := range answers {
+			if a.r.Status == http.StatusServiceUnavailable {
+				n++
+			}
+		}
+		return n
+	}
+	// The stores start (their own statements may meet the same errors,
+	// and are retried), so that the requests' statements meet them too.
+	waitFor(t, 30*time.Second, "a request to execute through the pooler", func() bool {
+		r, err := clients[0].DoCtx(context.Background(), call{Key: newKey(), Body: payBody()})
+		return err == nil && r.Status == http.StatusCreated
+	})
+	// Rounds of concurrent first executions, until enough have failed
+	// that a line per failure, or per handler, would show.
+	const wantRefused = 20
+	for deadline := time.Now().Add(60 * time.Second); refused() < wantRefused && time.Now().Before(deadline); {
+		var wg sync.WaitGroup
+		for i := range 16 {
+			wg.Go(func() {
+				c := call{Key: newKey(), Body: payBody()}
+				r, err := clients[i%2].DoCtx(context.Background(), c)
+				mu.Lock()
+				answers = append(answers, sent{c, r, err})
+				mu.Unlock()
+			})
+		}
+		wg.Wait()
+	}
+	if n := refused(); n < wantRefused {
+		t.Fatalf("%d of %d requests were refused through the pooler in pgx's default mode, want at least %d", n, len(answers), wantRefused)
+	}
+
+	executed := make(map[string]int)
+	for _, e := range up.Executions() {
+		executed[e.Key]++
+	}
+	for _, a := range answers {
+		switch {
+		case a.err != nil:
+			// A completion retried past the client's patience: pgx's
+			// connections that fail to deallocate a statement the
+			// pooler lost fail every statement until one succeeds.
+			// The ledger below still says whether it ran twice.
+			t.Logf("%s: %v", a.c.Key, a.err)
+			if executed[a.c.Key] > 1 {
+				t.Errorf("%s executed %d times", a.c.Key, executed[a.c.Key])
+			}
+		case a.r.Status == http.StatusServiceUnavailable:
+			wantProblem(t, a.r, http.StatusServiceUnavailable)
+			wantRetryAfter(t, a.r)
+			if executed[a.c.Key] != 0 {
+				t.Errorf("%s got 503, but the upstream executed it", a.c.Key)
+			}
+		case a.r.Status == http.StatusCreated && !a.r.replayed():
+			if executed[a.c.Key] != 1 {
+				t.Errorf("%s executed %d times", a.c.Key, executed[a.c.Key])
+			}
+		default:
+			t.Errorf("%s: %s, want 201 or 503", a.c.Key, a.r)
+		}
+	}
+
+	var named []map[string]any
+	for _, l := range srv.moduleLogLines(t) {
+		if l["msg"] == "idempotency.exec_mode" {
+			named = append(named, l)
+		}
+	}
+	if len(named) != 1 {
+		t.Fatalf("%d idempotency.exec_mode lines after %d refusals, want 1: %v", len(named), refused(), named)
+	}
+	l := named[0]
+	fix, _ := l["fix"].(string)
+	if l["level"] != "error" || !strings.Contains(fix, "default_query_exec_mode=cache_describe") || !strings.Contains(fix, "Behind a connection pooler") {
+		t.Errorf("the line that names the pooler's problem: %v", l)
+	}
+	if code := l["sqlstate"]; code != "42P05" && code != "26000" {
+		t.Errorf("the line's sqlstate is %v, want 42P05 or 26000", code)
+	}
+	data, err := os.ReadFile(srv.LogPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.Contains(line, `"msg":"idempotency.exec_mode"`) {
+			t.Logf("%s", line)
+		}
+	}
 }

@@ -68,9 +68,12 @@ type PostgresStore struct {
 	pool    *pgxpool.Pool
 	// admitted is the pool's: see Acquire.
 	admitted chan struct{}
-	cleaned  int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
-	sql      postgresSQL
-	logger   *zap.Logger
+	// prepares and execModeNamed are the pool's: see nameExecMode.
+	prepares      bool
+	execModeNamed *atomic.Bool
+	cleaned       int32 // set once by Cleanup; atomic.Bool would make the module type uncopyable
+	sql           postgresSQL
+	logger        *zap.Logger
 	// start is the store's start (startup.go). tableSecret is set by a
 	// handler that hashes credentials under the table's secret, which
 	// the start then reads.
@@ -119,6 +122,11 @@ type sharedPool struct {
 	// admitted bounds the acquires running at once, below the pool's
 	// size (acquireSlots): see Acquire.
 	admitted chan struct{}
+	// prepares: pgx prepares named statements on the pool's connections
+	// (cache_statement). execModeNamed is set once a store of the pool
+	// has said that a pooler loses them (nameExecMode).
+	prepares      bool
+	execModeNamed *atomic.Bool
 }
 
 // ownerConns is how many of a pool's connections are kept from acquires
@@ -233,13 +241,16 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 		if err != nil {
 			return nil, fmt.Errorf("postgres store: opening pool: %w", err)
 		}
-		return sharedPool{Pool: pool, admitted: make(chan struct{}, acquireSlots(key.maxConns))}, nil
+		return sharedPool{Pool: pool, admitted: make(chan struct{}, acquireSlots(key.maxConns)),
+			prepares:      cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheStatement,
+			execModeNamed: new(atomic.Bool)}, nil
 	})
 	if err != nil {
 		return err
 	}
 	s.poolKey = key
-	s.pool, s.admitted = val.(sharedPool).Pool, val.(sharedPool).admitted
+	shared := val.(sharedPool)
+	s.pool, s.admitted, s.prepares, s.execModeNamed = shared.Pool, shared.admitted, shared.prepares, shared.execModeNamed
 	s.sql = newPostgresSQL(s.table)
 	s.acquires = &batcher[queuedAcquire, AcquireResult]{
 		lanes:  min(batchLanes, acquireSlots(s.MaxConns)),

@@ -215,6 +215,7 @@ func (s *PostgresStore) startLoop() {
 			st.mu.Lock()
 			st.err = err
 			st.mu.Unlock()
+			s.nameExecMode(err)
 		}
 		if failures == 0 {
 			close(st.tried)
