@@ -306,7 +306,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 	ls.completing()
 	defer ls.stop()
 	var err error
-	degraded := false
+	degraded, held := false, false
 	deadline := time.Now().Add(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
 		ctx, cancel := h.storeCall(context.Background(), h.attemptTimeout())
@@ -319,6 +319,10 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 		}
 		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
+		}
+		if !held {
+			held = true
+			h.storeLog.holding()
 		}
 		time.Sleep(backoff)
 	}

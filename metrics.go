@@ -122,6 +122,9 @@ type storeMetrics struct {
 	ops       map[string]opMetrics
 	takeovers prometheus.Counter
 	pruned    prometheus.Counter
+	// log is told each call's outcome, which begins or ends an outage
+	// (storelog.go); nil for a store that no handler logs for.
+	log *storeLog
 }
 
 func newStoreMetrics(server string) *storeMetrics {
@@ -238,10 +241,11 @@ type instrumentedStore struct {
 // the caller gave up (a client that left, a config that unloaded) or
 // lost its lock (handlerMetrics.lockLost); a store that timed out has
 // failed.
-func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, err error) {
+func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, epoch int64, err error) {
 	m := s.m.ops[op]
 	m.duration.Observe(time.Since(start).Seconds())
 	m.count(ctx, err)
+	s.m.log.observed(ctx, op, epoch, err)
 }
 
 // count counts err, the outcome of one lock's operation, if it is an
@@ -253,9 +257,9 @@ func (m opMetrics) count(ctx context.Context, err error) {
 }
 
 func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	res, err := s.Store.Acquire(ctx, req)
-	s.observe(ctx, opAcquire, start, err)
+	s.observe(ctx, opAcquire, start, epoch, err)
 	if err == nil && res.Outcome == OutcomeTakenOver {
 		s.m.takeovers.Inc()
 	}
@@ -263,30 +267,30 @@ func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (Acq
 }
 
 func (s instrumentedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Complete(ctx, key, token, resp, retention)
-	s.observe(ctx, opComplete, start, err)
+	s.observe(ctx, opComplete, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Release(ctx, key, token)
-	s.observe(ctx, opRelease, start, err)
+	s.observe(ctx, opRelease, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Renew(ctx, key, token)
-	s.observe(ctx, opRenew, start, err)
+	s.observe(ctx, opRenew, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, error) {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	n, err := s.Store.Prune(ctx, batchSize)
-	s.observe(ctx, opPrune, start, err)
+	s.observe(ctx, opPrune, start, epoch, err)
 	s.m.pruned.Add(float64(n))
 	return n, err
 }
@@ -304,12 +308,18 @@ var (
 // lost locks and errors are counted per lock, as single renewals count
 // them.
 func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
-	start := time.Now()
+	start, epoch := time.Now(), s.m.log.begin()
 	errs := renewLocks(ctx, s.Store, locks)
 	m := s.m.ops[opRenew]
 	m.duration.Observe(time.Since(start).Seconds())
+	var failed error
 	for _, err := range errs {
 		m.count(ctx, err)
+		if err != nil && failed == nil && unanswered(err) {
+			failed = err
+		}
 	}
+	// One round trip: the store answered it, or did not.
+	s.m.log.observed(ctx, opRenew, epoch, failed)
 	return errs
 }

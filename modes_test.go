@@ -451,8 +451,10 @@ func TestFailOpen(t *testing.T) {
 			storeErrors++
 		}
 	}
-	if failOpen != 2 || storeErrors != 2 {
-		t.Errorf("%d idempotency.fail_open and %d idempotency.store_error lines, want 2 each", failOpen, storeErrors)
+	// A store_error line a second at most: the second request's is left
+	// out unless a slow machine sent it a second later.
+	if failOpen != 2 || storeErrors < 1 || storeErrors > 2 {
+		t.Errorf("%d idempotency.fail_open and %d idempotency.store_error lines, want 2 and 1 or 2", failOpen, storeErrors)
 	}
 }
 

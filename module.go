@@ -246,6 +246,9 @@ type Handler struct {
 	// bodyBudget bounds the request bodies buffered at once
 	// (requestbody.go).
 	bodyBudget *bodyBudget
+	// storeLog limits the store_error lines and notes outages
+	// (storelog.go).
+	storeLog *storeLog
 }
 
 // CaddyModule returns the Caddy module information.
@@ -328,7 +331,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		size := int64(defaultReplayCache)
 		h.ReplayCache = &size
 	}
-	h.store, h.cache = wrapStore(mod.(Store), newStoreMetrics(h.metrics.server), *h.ReplayCache)
+	h.storeLog = newStoreLog(h)
+	sm := newStoreMetrics(h.metrics.server)
+	sm.log = h.storeLog
+	h.store, h.cache = wrapStore(mod.(Store), sm, *h.ReplayCache)
 	_, h.inProcess = storeAs[InProcess](h.store)
 	h.records = recordsOf(h.store)
 	if err := h.provisionCredentials(); err != nil {
@@ -762,9 +768,14 @@ func credentialID(hash [32]byte) string {
 	return hex.EncodeToString(hash[:6])
 }
 
-// storeError logs the failure of the store operation op for q.
+// storeError logs the failure of the store operation op for q, unless
+// op has been logged less than a second ago (storeLog).
 func (h *Handler) storeError(q *request, op string, err error) {
-	h.logger.Error("idempotency.store_error", append(q.appendFields([]zap.Field{zap.String("operation", op)}), zap.Error(err))...)
+	ok, suppressed := h.storeLog.allow(op)
+	if !ok {
+		return
+	}
+	h.logger.Error("idempotency.store_error", storeErrorFields(op, err, suppressed, q.appendFields(make([]zap.Field, 0, 5))...)...)
 }
 
 // Results, as {http.idempotency.result} shows them.
@@ -811,13 +822,13 @@ func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
 			return
 		case <-t.C:
 			n, err := h.store.Prune(ctx, pruneBatchSize)
-			if err != nil {
-				if ctx.Err() == nil {
-					h.logger.Error("idempotency.store_error", zap.String("operation", "prune"), zap.Error(err))
+			switch {
+			case err != nil && ctx.Err() != nil:
+			case err != nil:
+				if ok, suppressed := h.storeLog.allow(opPrune); ok {
+					h.logger.Error("idempotency.store_error", storeErrorFields(opPrune, err, suppressed)...)
 				}
-				continue
-			}
-			if n > 0 {
+			case n > 0:
 				h.logger.Info("idempotency.prune", zap.Int64("rows", n))
 			}
 		}

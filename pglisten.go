@@ -189,6 +189,10 @@ type pgListener struct {
 	// changed is closed, and replaced, when channels changes, so that
 	// the connection LISTENs to the new set.
 	changed chan struct{}
+
+	// errorLines limits the listener's store_error lines, as a
+	// handler's are for each operation (storelog.go).
+	errorLines lineLimiter
 }
 
 func newPGListener(cfg *pgx.ConnConfig) *pgListener {
@@ -255,9 +259,14 @@ func (l *pgListener) run(ctx context.Context) {
 		}
 		if connected {
 			backoff = 100 * time.Millisecond
+			// The first failure after a connection that listened starts
+			// an outage: it is logged, however soon.
+			l.errorLines.reset()
 		}
-		caddy.Log().Named("http.handlers.idempotency.stores.postgres").Error("idempotency.store_error",
-			zap.String("operation", "listen"), zap.Duration("retry_in", backoff), zap.Error(err))
+		if ok, suppressed := l.errorLines.allow(sinceStart()); ok {
+			caddy.Log().Named("http.handlers.idempotency.stores.postgres").Error("idempotency.store_error",
+				storeErrorFields(opListen, err, suppressed, zap.Duration("retry_in", backoff))...)
+		}
 		select {
 		case <-ctx.Done():
 			return

@@ -205,9 +205,10 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		default:
 			// Not dated anew: the next tick that finds it due tries
 			// again.
-			r.h.logger.Error("idempotency.store_error",
-				zap.String("operation", "renew"), zap.String("key", l.key),
-				zap.String("credential_id", l.credID), zap.Error(err))
+			if ok, suppressed := r.h.storeLog.allow(opRenew); ok {
+				r.h.logger.Error("idempotency.store_error", storeErrorFields(opRenew, err, suppressed,
+					zap.String("key", l.key), zap.String("credential_id", l.credID))...)
+			}
 		}
 	}
 }

@@ -1,0 +1,213 @@
+package idempotency
+
+// How a handler logs its store's failures. During an outage every
+// request fails alike, and a line for each (thousands in 20 seconds)
+// buries the lines that say something else; meanwhile the requests that
+// the outage only held up, their completions retried until the store
+// answered, said nothing at all. So each operation writes about one
+// idempotency.store_error line a second while it fails, counting the
+// lines it left out, and two lines frame an outage: one when the store
+// stops answering, one when it answers again.
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+)
+
+// storeErrorInterval is the least time between two idempotency.store_error
+// lines of one operation of a handler.
+const storeErrorInterval = time.Second
+
+// opCredentialSecret names the failure to read the store's credential
+// secret, in the store_error lines; opListen, the LISTEN connection's.
+const (
+	opCredentialSecret = "credential_secret"
+	opListen           = "listen"
+)
+
+// loggedOps are the operations whose store_error lines a handler limits,
+// each on its own.
+var loggedOps = [...]string{opAcquire, opComplete, opRelease, opRenew, opPrune, opCredentialSecret}
+
+// processStart is what the limiters' times count from: the monotonic
+// clock, which a change of the wall clock does not move.
+var processStart = time.Now()
+
+func sinceStart() time.Duration { return time.Since(processStart) }
+
+// lineLimiter lets a line through once per storeErrorInterval at most,
+// and counts the lines it leaves out. It costs a failure a load and an
+// add, and one failure an interval a compare-and-swap: the failures of an
+// outage never queue on a lock.
+type lineLimiter struct {
+	// next is when the next line may be written, as sinceStart tells
+	// time; suppressed counts the lines left out since the last one.
+	next, suppressed atomic.Int64
+}
+
+// allow reports whether a line may be written at now, and if so how many
+// were left out before it.
+func (l *lineLimiter) allow(now time.Duration) (ok bool, suppressed int64) {
+	next := l.next.Load()
+	if int64(now) >= next && l.next.CompareAndSwap(next, int64(now+storeErrorInterval)) {
+		return true, l.suppressed.Swap(0)
+	}
+	l.suppressed.Add(1)
+	return false, 0
+}
+
+// reset lets the next line through, whenever it comes.
+func (l *lineLimiter) reset() { l.next.Store(0) }
+
+// storeLog is a handler's account of its store's failures: the limiters
+// of its store_error lines, and the outage under way, if any. Per
+// handler, as the lines are: each names its handler's server, and a
+// handler whose store is down logs it even while another handler of the
+// same database has just done so.
+type storeLog struct {
+	h   *Handler
+	now func() time.Duration // sinceStart; a test's clock
+
+	ops [len(loggedOps)]lineLimiter
+
+	// epoch is even while the store answers, odd while it does not: the
+	// start and the end of each outage add one. A call notes the epoch
+	// as it starts (begin): only a call sent during an outage ends it by
+	// an answer, and only a call sent since the last one ended starts
+	// another by its failure. The calls in flight across the edge of an
+	// outage (an answer to a statement sent before it, a timeout of one
+	// sent during it) would make an edge of their own otherwise.
+	epoch atomic.Int64
+	// held counts the requests held during the outage, their completion
+	// retried until the store answers; failed, the calls that failed.
+	held, failed atomic.Int64
+
+	mu    sync.Mutex // orders the two lines of an outage
+	since time.Duration
+}
+
+func newStoreLog(h *Handler) *storeLog { return &storeLog{h: h, now: sinceStart} }
+
+// allow reports whether a store_error line of op may be written now, and
+// how many were left out before it. Every line of an unknown operation
+// is written.
+func (l *storeLog) allow(op string) (ok bool, suppressed int64) {
+	if l == nil {
+		return true, 0
+	}
+	for i := range loggedOps {
+		if loggedOps[i] == op {
+			return l.ops[i].allow(l.now())
+		}
+	}
+	return true, 0
+}
+
+// begin returns what a store call notes as it starts (observed).
+func (l *storeLog) begin() int64 {
+	if l == nil {
+		return 0
+	}
+	return l.epoch.Load()
+}
+
+// observed takes in the outcome of the store call op, which began at
+// epoch: a store that does not answer begins an outage, one that answers
+// ends it. A call that its caller gave up tells neither.
+func (l *storeLog) observed(ctx context.Context, op string, epoch int64, err error) {
+	if l == nil {
+		return
+	}
+	switch {
+	case err != nil && errors.Is(ctx.Err(), context.Canceled):
+	case err == nil || !unanswered(err):
+		if epoch&1 == 1 && l.epoch.CompareAndSwap(epoch, epoch+1) {
+			l.answered()
+		}
+	case epoch&1 == 0 && l.epoch.CompareAndSwap(epoch, epoch+1):
+		l.failed.Add(1)
+		l.unavailable(op, err)
+	case l.epoch.Load()&1 == 1:
+		l.failed.Add(1)
+	}
+}
+
+// unavailable begins an outage, whose first failure was op's err. The
+// next store_error line of each operation is written whenever it comes:
+// the first of an outage is always logged.
+func (l *storeLog) unavailable(op string, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.since = l.now()
+	for i := range l.ops {
+		l.ops[i].reset()
+	}
+	l.h.logger.Warn("idempotency.store_unavailable", zap.String("operation", op), zap.Error(err))
+}
+
+// answered ends the outage, saying how long it lasted, what it held up
+// and what it failed, and the store_error lines left out since each
+// operation's last one.
+func (l *storeLog) answered() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	fields := []zap.Field{
+		zap.Float64("down_seconds", (l.now() - l.since).Seconds()),
+		zap.Int64("held", l.held.Swap(0)),
+		zap.Int64("failed", l.failed.Swap(0)),
+	}
+	suppressed := make(map[string]int64)
+	for i := range l.ops {
+		if n := l.ops[i].suppressed.Swap(0); n > 0 {
+			suppressed[loggedOps[i]] = n
+		}
+	}
+	if len(suppressed) > 0 {
+		fields = append(fields, zap.Any("suppressed_store_errors", suppressed))
+	}
+	l.h.logger.Info("idempotency.store_recovered", fields...)
+}
+
+// holding counts a request whose completion the outage holds up, once.
+func (l *storeLog) holding() {
+	if l != nil && l.epoch.Load()&1 == 1 {
+		l.held.Add(1)
+	}
+}
+
+// unanswered reports whether err says that the store did not answer: a
+// connection refused, lost or timed out, a server shutting down or
+// starting up, or a standby's read-only answer during a failover. The
+// store answering with an error of its own (a lost lock, a refused
+// value, a statement it rejects) is an answer.
+func unanswered(err error) bool {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return sessionEnded(pgErr) || strings.HasPrefix(pgErr.Code, "57P0") || pgErr.Code == pgReadOnly
+	}
+	var netErr net.Error
+	return errors.As(err, &netErr) || connectionLost(err)
+}
+
+// storeErrorFields are the fields of a store_error line of op: the
+// operation, then fields (the request's), the error, and the number of
+// lines left out before this one, if any.
+func storeErrorFields(op string, err error, suppressed int64, fields ...zap.Field) []zap.Field {
+	f := make([]zap.Field, 0, len(fields)+3)
+	f = append(append(append(f, zap.String("operation", op)), fields...), zap.Error(err))
+	if suppressed > 0 {
+		f = append(f, zap.Int64("suppressed", suppressed))
+	}
+	return f
+}

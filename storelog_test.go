@@ -1,0 +1,236 @@
+package idempotency
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// downStore is a store that, while down is set, fails every call as a
+// database that refuses connections does.
+type downStore struct {
+	Store
+	down atomic.Bool
+}
+
+func (s *downStore) fail(op string) error {
+	if !s.down.Load() {
+		return nil
+	}
+	return fmt.Errorf("postgres store: %s: %w", op, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED})
+}
+
+func (s *downStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+	if err := s.fail(opAcquire); err != nil {
+		return AcquireResult{}, err
+	}
+	return s.Store.Acquire(ctx, req)
+}
+
+func (s *downStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+	if err := s.fail(opComplete); err != nil {
+		return err
+	}
+	return s.Store.Complete(ctx, key, token, resp, retention)
+}
+
+func (s *downStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+	if err := s.fail(opRenew); err != nil {
+		return err
+	}
+	return s.Store.Renew(ctx, key, token)
+}
+
+func (s *downStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+	if err := s.fail(opRelease); err != nil {
+		return err
+	}
+	return s.Store.Release(ctx, key, token)
+}
+
+// testClock is the storeLog's clock, which only the test moves.
+type testClock struct{ d atomic.Int64 }
+
+func (c *testClock) now() time.Duration       { return time.Duration(c.d.Load()) }
+func (c *testClock) advance(by time.Duration) { c.d.Add(int64(by)) }
+
+// outageHandler is a provisioned handler on a fresh memory store that
+// downStore can take down, under the instrumentation that watches the
+// store's calls, logging to an observer, with its storeLog on a clock
+// that the test moves.
+func outageHandler(t *testing.T) (*Handler, *downStore, *observer.ObservedLogs, *testClock) {
+	t.Helper()
+	h := &Handler{LockTimeout: caddy.Duration(3 * time.Second), PruneInterval: new(caddy.Duration), ReplayCache: new(int64)}
+	if err := provisionHandler(t, h); err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	h.logger = zap.New(core)
+	inst := h.store.(instrumentedStore)
+	ds := &downStore{Store: inst.Store}
+	inst.Store = ds
+	h.store = inst
+	clock := new(testClock)
+	clock.advance(time.Hour)
+	h.storeLog.now = clock.now
+	return h, ds, logs, clock
+}
+
+// During an outage, many concurrent requests fail alike: each operation
+// writes one store_error line a second at most, the first of the outage
+// at once, and the count of the lines left out adds up to the failures.
+// The outage itself is one warning as it begins and one line as the
+// store answers again, which counts the requests it held (their
+// completions retried) and says for how long. Catches a line per failed
+// request (5,165 in a 20 s outage), and an outage that held requests
+// without a word.
+func TestStoreErrorLinesDuringOutage(t *testing.T) {
+	h, ds, logs, clock := outageHandler(t)
+	var executions atomic.Int32
+	next := created(&executions)
+
+	// Requests in flight as the store goes down: their upstreams answer
+	// during the outage, and their completions wait for the store.
+	const inFlight = 4
+	var started sync.WaitGroup
+	started.Add(inFlight)
+	answer := make(chan struct{})
+	slow := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		started.Done()
+		<-answer
+		return next.ServeHTTP(w, r)
+	})
+	heldStatus := make(chan int, inFlight)
+	for i := range inFlight {
+		go func() { heldStatus <- serve(context.Background(), h, fmt.Sprintf("held-%d", i), slow) }()
+	}
+	started.Wait()
+	ds.down.Store(true)
+
+	// Two bursts of failing requests, 1.5 s apart on the log's clock.
+	refused := 0
+	burst := func(n int) {
+		statuses := make(chan int, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() { statuses <- serve(context.Background(), h, fmt.Sprintf("down-%d-%d", refused, i), next) })
+		}
+		wg.Wait()
+		close(statuses)
+		for s := range statuses {
+			if s != http.StatusServiceUnavailable {
+				t.Errorf("a request during the outage got %d, want 503", s)
+			}
+			refused++
+		}
+	}
+	burst(200)
+	acquireLines := func() []observer.LoggedEntry {
+		return logs.FilterMessage("idempotency.store_error").FilterField(zap.String("operation", opAcquire)).All()
+	}
+	if n := len(acquireLines()); n != 1 {
+		t.Fatalf("%d acquire store_error lines for 200 failures within a second, want 1", n)
+	}
+	clock.advance(1500 * time.Millisecond)
+	burst(100)
+	close(answer) // the held requests' completions fail, and are retried
+	waitFor(t, 10*time.Second, "the held completions to fail", func() bool { return h.storeLog.held.Load() == inFlight })
+	clock.advance(1500 * time.Millisecond)
+	ds.down.Store(false)
+	for range inFlight {
+		if s := <-heldStatus; s != http.StatusCreated {
+			t.Errorf("a request held through the outage got %d, want its 201", s)
+		}
+	}
+	if n := executions.Load(); n != inFlight {
+		t.Errorf("%d executions, want the %d requests in flight only", n, inFlight)
+	}
+
+	lines := acquireLines()
+	if len(lines) != 2 {
+		t.Fatalf("%d acquire store_error lines over 1.5 s of failures, want 2: %v", len(lines), lines)
+	}
+	if _, ok := lines[0].ContextMap()["suppressed"]; ok {
+		t.Errorf("the outage's first line counts lines left out: %v", lines[0].ContextMap())
+	}
+	accounted := int64(len(lines))
+	for _, l := range lines {
+		n, _ := l.ContextMap()["suppressed"].(int64)
+		accounted += n
+	}
+	unavailable := logs.FilterMessage("idempotency.store_unavailable").All()
+	recovered := logs.FilterMessage("idempotency.store_recovered").All()
+	if len(unavailable) != 1 || len(recovered) != 1 {
+		t.Fatalf("%d store_unavailable and %d store_recovered lines for one outage, want one each", len(unavailable), len(recovered))
+	}
+	if unavailable[0].Level != zapcore.WarnLevel || recovered[0].Level != zapcore.InfoLevel {
+		t.Errorf("store_unavailable at %v, store_recovered at %v; want warn and info", unavailable[0].Level, recovered[0].Level)
+	}
+	rec := recovered[0].ContextMap()
+	if rec["held"] != int64(inFlight) {
+		t.Errorf("the store answered again after holding %v requests, want %d: %v", rec["held"], inFlight, rec)
+	}
+	if rec["down_seconds"] != 3.0 {
+		t.Errorf("the outage lasted %v s by the log's clock, want 3", rec["down_seconds"])
+	}
+	if f, _ := rec["failed"].(int64); f < int64(refused+inFlight) {
+		t.Errorf("%d failed store calls during the outage, want at least the %d refused acquires and %d failed completions", f, refused, inFlight)
+	}
+	left, _ := rec["suppressed_store_errors"].(map[string]int64)
+	accounted += left[opAcquire]
+	if accounted != int64(refused) {
+		t.Errorf("acquire lines and the lines they say they left out account for %d failures, want the %d refused: %v, then %v",
+			accounted, refused, lines, rec)
+	}
+	for _, op := range []string{opComplete, opRenew} {
+		// Completions are retried, not failed for good; renewals are
+		// limited like the rest, over the 3 s the clock moved.
+		if n := logs.FilterMessage("idempotency.store_error").FilterField(zap.String("operation", op)).Len(); n > 3 {
+			t.Errorf("%d %s store_error lines, want at most 3", n, op)
+		}
+	}
+}
+
+// A line per second at most, however the failures race, and the lines
+// left out are all counted: by the next line, or still pending.
+func TestLineLimiterCountsEveryFailure(t *testing.T) {
+	var l lineLimiter
+	var written, reported atomic.Int64
+	var wg sync.WaitGroup
+	now := time.Hour
+	for round := range 3 {
+		for range 8 {
+			wg.Go(func() {
+				for range 500 {
+					if ok, n := l.allow(now + time.Duration(round)*storeErrorInterval); ok {
+						written.Add(1)
+						reported.Add(n)
+					}
+				}
+			})
+		}
+		wg.Wait()
+	}
+	if written.Load() != 3 {
+		t.Errorf("%d lines written over 3 intervals, want 3", written.Load())
+	}
+	if got := written.Load() + reported.Load() + l.suppressed.Load(); got != 3*8*500 {
+		t.Errorf("written, reported left out and pending add up to %d, want %d", got, 3*8*500)
+	}
+	l.reset()
+	if ok, _ := l.allow(now + 2*storeErrorInterval); !ok {
+		t.Errorf("after a reset, the next line is left out")
+	}
+}
