@@ -11,6 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Steps 7 to 9 of the contract: executing a request that owns its
@@ -128,6 +129,9 @@ func (h *Handler) execute(q *request) error {
 		return nil
 	}
 	stored := h.complete(q, resp, ls)
+	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.executed"); c != nil && stored {
+		c.Write(q.fields(zap.Int("status", resp.Status))...)
+	}
 	if h.Shadow {
 		// Shadow mode changes no response: the error goes on to the
 		// site's error handling, as it would without this handler.

@@ -4,14 +4,20 @@ package idempotency
 
 import (
 	"bytes"
+	"context"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // One line per case, at the level an operator would choose, with the
@@ -113,6 +119,7 @@ http://127.0.0.1:%d {
 		msg, level string
 		fields     []string
 	}{
+		{"idempotency.executed", "debug", append(common, "status")},
 		{"idempotency.replay", "info", append(common, "original_status", "age_seconds")},
 		{"idempotency.mismatch", "info", append(common, "original_method", "original_path")},
 		{"idempotency.in_progress", "info", append(common, "lock_age_seconds")},
@@ -333,4 +340,35 @@ func TestLogs(t *testing.T) {
 			t.Errorf("idempotency.replay credential_id = %q, want a short prefix of the credential's keyed hash", credID)
 		}
 	})
+}
+
+// A routine execution is one debug line, with the request's fields and
+// the status stored; nothing at info, where it would be a line per
+// request.
+func TestExecutedLine(t *testing.T) {
+	h, _, infoLogs := lockHandler(t, 30*time.Second)
+	var calls atomic.Int32
+	if got := serve(context.Background(), h, "executed-at-info", created(&calls)); got != http.StatusCreated {
+		t.Fatalf("status %d, want 201", got)
+	}
+	if n := infoLogs.FilterMessage("idempotency.executed").Len(); n != 0 {
+		t.Errorf("%d idempotency.executed lines at info level, want none", n)
+	}
+
+	core, logs := observer.New(zap.DebugLevel)
+	h.logger = zap.New(core)
+	key := "executed-at-debug"
+	if got := serve(context.Background(), h, key, created(&calls)); got != http.StatusCreated {
+		t.Fatalf("status %d, want 201", got)
+	}
+	serve(context.Background(), h, key, created(&calls)) // a replay: no execution
+	lines := logs.FilterMessage("idempotency.executed").All()
+	if len(lines) != 1 {
+		t.Fatalf("%d idempotency.executed lines for one execution and its replay, want 1", len(lines))
+	}
+	f := lines[0].ContextMap()
+	if lines[0].Level != zapcore.DebugLevel || f["key"] != key+"-"+runID || f["status"] != int64(http.StatusCreated) ||
+		f["method"] != http.MethodPost || f["path"] != "/pay" || f["host"] == nil || f["credential_id"] == "" {
+		t.Errorf("the line: %v %v", lines[0].Level, f)
+	}
 }
