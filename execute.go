@@ -50,6 +50,10 @@ func (h *Handler) execute(q *request) error {
 
 	repl.Set("http.idempotency.result", h.result(resultExecuted))
 	ls := h.keepLock(q)
+	// Every path stops the lease where its record is settled; this one
+	// is for a path that would not, such as a panic, since a lease left
+	// in liveLocks would answer its key as in progress for good.
+	defer ls.stop()
 	rec := newRecorder(q.w, h.MaxResponseBody)
 	panicked, err := serveRecovering(q.next, rec, r.WithContext(execCtx))
 	if panicked == errResendRefused {

@@ -743,6 +743,9 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) 
 	// every retry would get 409 until lock_timeout. A request that
 	// acquires after its client left executes and is stored for the
 	// retry, as step 7 has it.
+	if rec := heldHere(h.records, req.Key); rec != nil {
+		return AcquireResult{Outcome: OutcomeExisting, Record: rec}, nil
+	}
 	ctx, cancel := h.storeCall(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
 	res, err := h.store.Acquire(ctx, req)

@@ -277,3 +277,38 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 		t.Fatalf("the promoted server's primary_since on that connection is not its row's first_seen (%v)", err)
 	}
 }
+
+// A partition between Caddy and a database that stays up, longer than
+// lock_timeout, ends the lease by the database's clock while its owner
+// still runs here: its renewals do not arrive. The client whose
+// connection the outage broke retries to the same instance once the
+// database answers again, while the upstream still runs. That retry gets 409 in progress, not a
+// takeover: the owner is alive in this process, and its completion, under
+// a token nobody replaced, stores the response, which the retry then
+// replays. Catches a retry that takes the record over and executes the
+// request a second time beside its live owner.
+func TestPartitionLongerThanLeaseRetriedHere(t *testing.T) {
+	const lock = 2 * time.Second
+	sb := postgresBackend(t)
+	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	up := newUpstream(t)
+	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(), fmt.Sprintf(
+		"store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}\n\t\tlock_timeout %s\n\t\tretry_after 1s\n\t\tprune_interval 0",
+		throughForwarder(t, sb.DSN, fwd), sb.Table, lock))
+	// The upstream is still running when the database answers again.
+	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3*lock + time.Second)}
+	owner := runBackground(t, s, c)
+	up.WaitStarted(t, 1)
+	fwd.Cut()
+	time.Sleep(2*lock + 500*time.Millisecond)
+	fwd.Restore()
+
+	retry := s.Do(t, c)
+	if retry.Status != http.StatusConflict || problemType(retry) != "in-progress" {
+		t.Errorf("a retry once the database answers again, its owner still running: %s, want 409 in progress", retry)
+	}
+	first := <-owner
+	wantExecuted(t, first, http.StatusCreated)
+	wantReplayOf(t, pollPastInProgress(t, s, c), first)
+	wantCount(t, up, 1)
+}

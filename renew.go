@@ -3,6 +3,8 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -112,13 +114,67 @@ func (h *Handler) keepLock(q *request) *lease {
 		r.timer = time.AfterFunc(r.period(), r.tick)
 	}
 	r.mu.Unlock()
-	return &lease{r: r, l: l}
+	ls := &lease{r: r, l: l, fp: q.fp, r0: q.r, at: liveLockKey{h.records, q.rk}}
+	liveLocks.Store(ls.at, ls)
+	return ls
+}
+
+// liveLocks holds the leases of the requests that execute in this
+// process, by their records and key, across handlers and configs.
+//
+// A lease ends by the database's clock, and a partition between this
+// process and its database (a network cut, a failover that takes longer
+// than lock_timeout) lets it end while the owner still runs: its
+// renewals did not arrive. Another instance may then take the record
+// over, which no instance can prevent; but a retry sent to this process,
+// the usual case of a client whose connection the outage broke, need not:
+// the owner is alive here, and once the store answers again its
+// completion, under a token nobody replaced, still stores the response.
+// So an acquire of a key whose owner runs here with its lease overdue
+// (heldHere) is answered as in progress without asking the store.
+var liveLocks sync.Map // liveLockKey -> *lease
+
+type liveLockKey struct {
+	records string
+	rk      RecordKey
+}
+
+// heldHere returns the record that an owner in this process holds for
+// key, if its lease may have ended in the store for want of renewals: a
+// renewal is overdue. While renewals succeed the store answers as
+// truthfully, and the answer of a completion that has just been stored
+// (which a waiter looks for) must come from it.
+func heldHere(records string, key RecordKey) *Record {
+	v, ok := liveLocks.Load(liveLockKey{records, key})
+	if !ok {
+		return nil
+	}
+	ls := v.(*lease)
+	// A lock found lost counts too: a renewal that reached the store
+	// after the lease ended finds it lost, though no one took it, and
+	// the owner's completion may still store the response. If another
+	// instance did take it, this process's retries wait for the owner
+	// here to end, no longer.
+	ls.r.mu.Lock()
+	dated, stopped := ls.l.dated, ls.l.stopped
+	ls.r.mu.Unlock()
+	if stopped || time.Since(dated) < ls.r.h.renewInterval() {
+		return nil
+	}
+	method, u := clientRequest(ls.r0)
+	return &Record{Status: StatusInProgress, Fingerprint: ls.fp, Method: strings.ToUpper(method), Path: u.EscapedPath(),
+		LockedAt: dated, TTL: time.Duration(ls.r.h.Retention)}
 }
 
 // lease is a request's hold on its lock, as keepLock renews it.
 type lease struct {
 	r *lockKeeper
 	l *keptLock
+	// What heldHere answers for the record: the request's fingerprint,
+	// the request the client sent, and its place in liveLocks.
+	fp [32]byte
+	r0 *http.Request
+	at liveLockKey
 }
 
 // completing notes that the record is being completed: from now on, a
@@ -136,6 +192,7 @@ func (ls *lease) completing() {
 // renewal that reaches the store after the record was completed or
 // released finds no record in progress to change.
 func (ls *lease) stop() {
+	liveLocks.CompareAndDelete(ls.at, ls)
 	ls.r.mu.Lock()
 	defer ls.r.mu.Unlock()
 	delete(ls.r.held, ls.l)
