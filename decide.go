@@ -18,6 +18,12 @@ import (
 // request does not own.
 func (h *Handler) existing(q *request, rec *Record) error {
 	d := h.decide(q, rec)
+	if h.Shadow {
+		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
+			d.write(c, q, zap.String("would", d.result))
+		}
+		return h.pass(q, d.result)
+	}
 	if c := h.logger.Check(zapcore.InfoLevel, d.msg); c != nil {
 		d.write(c, q)
 	}
@@ -28,15 +34,14 @@ func (h *Handler) existing(q *request, rec *Record) error {
 		return h.finish(q.w, q.repl, d.result, d.prob, d.retryAfter)
 	}
 	h.metrics.replayAge.Observe(d.age)
-	q.repl.Set("http.idempotency.result", resultReplayed)
+	h.setResult(q.repl, resultReplayed)
 	h.replay(q.w, q.r, rec.Response, d.gunzip)
 	return nil
 }
 
 // decision is the verdict on a request whose key has a record that the
 // request does not own, with the line that logs it: enforcement answers
-// it (existing), shadow mode logs it and executes the request instead
-// (serveShadow).
+// it, shadow mode logs it and executes the request instead (existing).
 type decision struct {
 	verdict
 	msg string // the log line's message, at info level

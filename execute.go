@@ -48,7 +48,7 @@ func (h *Handler) execute(q *request) error {
 	})
 	defer stopWatch()
 
-	repl.Set("http.idempotency.result", h.result(resultExecuted))
+	h.setResult(repl, resultExecuted)
 	ls := h.keepLock(q)
 	// Every path stops the lease where its record is settled; this one
 	// is for a path that would not, such as a panic, since a lease left
@@ -87,7 +87,7 @@ func (h *Handler) execute(q *request) error {
 		// that refused stays the result, since the client got it.
 		ls.stop()
 		if !h.release(q, errRefusedWithin) {
-			repl.Set("http.idempotency.result", h.result(resultStoreError))
+			h.setResult(repl, resultStoreError)
 		}
 		return h.answerUnexecuted(q, rec, err)
 	}
@@ -99,7 +99,7 @@ func (h *Handler) execute(q *request) error {
 			if !h.release(q, err, zap.Int("status", unexecutedStatus(err))) {
 				result = resultStoreError
 			}
-			repl.Set("http.idempotency.result", h.result(result))
+			h.setResult(repl, result)
 			return h.answerUnexecuted(q, rec, err)
 		}
 	}

@@ -218,7 +218,7 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 // countResult counts a protected request once it is done, by its final
 // result: an execution can still turn into a release.
 func (h *Handler) countResult(repl *caddy.Replacer) {
-	result, ok := repl.GetString("http.idempotency.result")
+	result, ok := repl.GetString(resultPlaceholder)
 	if !ok || result == "" {
 		return
 	}

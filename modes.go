@@ -2,13 +2,14 @@ package idempotency
 
 // The client-friendly modes: wait (wait.go), mismatch_status, shadow and
 // on_store_error. Each changes what one step of the request path does
-// when it would refuse a request; the path itself is in module.go.
+// when it would refuse a request; the path itself is ServeHTTP, in
+// module.go, the one path a protected request takes in every mode.
 
 import (
 	"fmt"
 	"net/http"
-	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -77,101 +78,83 @@ func (h *Handler) mismatchProblem() problem {
 	return p
 }
 
-// result is r as {http.idempotency.result} shows it in this mode.
-func (h *Handler) result(r string) string {
+// resultPlaceholder is where a protected request's result is kept, for
+// access logs, for handlers around this one (nesting.go) and for the
+// metrics, which count it once the request is done.
+const resultPlaceholder = "http.idempotency.result"
+
+// setResult sets the request's result r, named as this mode names it:
+// the one place a result gets its name.
+func (h *Handler) setResult(repl *caddy.Replacer, r string) {
 	if h.Shadow {
-		return shadowPrefix + r
+		r = shadowPrefix + r
 	}
-	return r
+	repl.Set(resultPlaceholder, r)
 }
 
-// failOpen executes a request whose record could not be acquired,
-// without protection: on_store_error fail_open says that this route
-// prefers a possible duplicate to a 503.
-func (h *Handler) failOpen(q *request, body []byte) error {
-	h.logger.Warn("idempotency.fail_open", q.fields()...)
-	q.repl.Set("http.idempotency.result", resultFailOpen)
-	restoreBody(q.r, body, nil)
+// The one policy that tells the modes apart: what a request that does
+// not execute under its record gets. Enforcement answers the verdict;
+// shadow mode logs it and hands the request on, unrecorded, under the
+// result shadow_<result>; on_store_error fail_open hands a request on when
+// the store failed.
+
+// handOn passes the request to the next handler, unprotected, with its
+// body if step 3 read it. It owns no record, so handlers inside this one
+// enforce as they would alone (nesting.go).
+func (q *request) handOn() error {
+	if q.bodyRead {
+		restoreBody(q.r, q.body, nil)
+	}
 	return q.next.ServeHTTP(q.w, q.r)
 }
 
-// serveShadow is ServeHTTP in shadow mode. Every step runs as in
-// ServeHTTP, and decides as it does (decide, confirmLate), and a request
-// that owns its key is executed and recorded as usual, so that the
-// records are those enforcement would start from. Where ServeHTTP would
-// refuse a request (a replay, a conflict, a client error, a store
-// error), the request is executed anyway, unrecorded, and what would have
-// happened is logged and set as the result. It starts from what identify
-// made of the request (q's key and record key, idProb, err).
-func (h *Handler) serveShadow(q *request, idProb *problem, err error) error {
-	r, key := q.r, q.key
-	// pass executes the request without recording it; a body that was
-	// read must have been restored. It owns no record, so handlers
-	// inside this one enforce as they would alone (nesting.go).
-	pass := func(result string) error {
-		q.repl.Set("http.idempotency.result", shadowPrefix+result)
-		return q.next.ServeHTTP(q.w, r)
-	}
-	wouldReject := func(key string, p problem) {
-		if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
-			c.Write(zap.String("would", resultRejected), zap.String("key", key),
-				zap.Int("status", p.Status), zap.String("title", p.Title))
-		}
-	}
+// pass hands q on under result, as this mode shows it.
+func (h *Handler) pass(q *request, result string) error {
+	h.setResult(q.repl, result)
+	return q.handOn()
+}
 
+// answer ends q with the verdict v: enforcement answers it, shadow mode
+// hands the request on.
+func (h *Handler) answer(q *request, v verdict) error {
+	if h.Shadow {
+		return h.pass(q, v.result)
+	}
+	return h.finish(q.w, q.repl, v.result, v.prob, v.retryAfter)
+}
+
+// refuse ends a client error of q (a missing or malformed key, a
+// missing credential, a body it cannot take) with the problem p. Shadow
+// mode logs what it would have answered, at debug level, as enforcement
+// does its rejections.
+func (h *Handler) refuse(q *request, key string, p problem) error {
+	if !h.Shadow {
+		return h.reject(q.w, q.repl, key, p)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.shadow"); c != nil {
+		c.Write(zap.String("would", resultRejected), zap.String("key", key),
+			zap.Int("status", p.Status), zap.String("title", p.Title))
+	}
+	return h.pass(q, resultRejected)
+}
+
+// storeFailed ends q, whose store failed (the error is logged): 503, or
+// with on_store_error fail_open the request executes without
+// protection, since this route prefers a possible duplicate to a 503.
+// Shadow mode hands it on as a store error.
+func (h *Handler) storeFailed(q *request) error {
 	switch {
-	case err != nil:
-		h.storeError(q, "credential_secret", err)
-		return pass(resultStoreError)
-	case idProb != nil:
-		wouldReject(key, *idProb)
-		return pass(resultRejected)
-	case key == "" && h.keyPointer == nil:
-		return pass(resultNoKey)
+	case h.Shadow:
+		return h.pass(q, resultStoreError)
+	case h.OnStoreError != onStoreErrorFailOpen:
+		return h.finish(q.w, q.repl, resultStoreError, probStoreUnavailable, h.retrySecs)
 	}
-	q.credID = credentialID(q.rk.CredentialHash)
-	body, held, prob := h.readBody(r)
-	defer h.bodyBudget.release(held)
-	if prob != nil {
-		wouldReject(key, *prob)
-		restoreBody(r, body, prob)
-		return pass(resultRejected)
+	h.logger.Warn("idempotency.fail_open", q.fields()...)
+	h.setResult(q.repl, resultFailOpen)
+	if !q.bodyRead {
+		// The body is unread, and goes on as it came; the key header
+		// does not.
+		hideKeyFromTransport(q.r.Header)
 	}
-	if h.keyPointer != nil {
-		prob := h.keyFromBody(q, body)
-		if prob != nil || q.key == "" || ownedOnTheWay(r.Context(), h.records, q.rk) {
-			restoreBody(r, body, nil)
-			switch {
-			case prob != nil:
-				wouldReject("", *prob)
-				return pass(resultRejected)
-			case q.key == "":
-				return pass(resultNoKey)
-			}
-			return q.next.ServeHTTP(q.w, r)
-		}
-	}
-	q.fp = fingerprint(headOf(r), body)
-	restoreBody(r, body, nil)
-
-	h.executing.Add(1)
-	defer h.executing.Add(-1)
-	q.token = newLockToken()
-	q.dated = time.Now() // see ServeHTTP
-	acq, err := h.acquire(r.Context(), h.acquireRequest(q), logHost(r))
-	if err != nil {
-		h.storeError(q, "acquire", err)
-		return pass(resultStoreError)
-	}
-	if acq.Outcome == OutcomeExisting {
-		d := h.decide(q, acq.Record)
-		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
-			d.write(c, q, zap.String("would", d.result))
-		}
-		return pass(d.result)
-	}
-	if refused := h.confirmLate(q); refused != nil {
-		return pass(refused.result)
-	}
-	return h.execute(q)
+	return q.handOn()
 }

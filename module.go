@@ -562,7 +562,11 @@ type request struct {
 	rk     RecordKey // the record's key: the key under the credential (step 2)
 	credID string    // the credential, as logs name it (credentialID)
 	fp     [32]byte  // the fingerprint (step 4)
-	token  LockToken // this request's claim on its record (step 5)
+	// body is the request's body once it has been read whole
+	// (bodyRead, step 3), which handOn gives back to the request.
+	body     []byte
+	bodyRead bool
+	token    LockToken // this request's claim on its record (step 5)
 	// dated is when the lock was last dated: no later than when the
 	// store got the acquire, or the renewal, that dated it. Renewals
 	// are timed from it.
@@ -591,7 +595,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	// A handler around this one that protects the request has set its
 	// result, and counts the request by its final result when it is done.
-	_, counted := repl.Get("http.idempotency.result")
+	_, counted := repl.Get(resultPlaceholder)
 	// Both placeholders are set on every protected request, so that an
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
@@ -608,25 +612,14 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		defer h.countResult(repl)
 	}
 	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk}
-	if h.Shadow {
-		return h.serveShadow(&q, idProb, err)
-	}
 	switch {
 	case err != nil:
 		h.storeError(&q, "credential_secret", err)
-		if h.OnStoreError == onStoreErrorFailOpen {
-			// The body is unread: it goes on as it came.
-			h.logger.Warn("idempotency.fail_open", q.fields()...)
-			repl.Set("http.idempotency.result", resultFailOpen)
-			hideKeyFromTransport(r.Header)
-			return next.ServeHTTP(w, r)
-		}
-		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
+		return h.storeFailed(&q)
 	case idProb != nil:
-		return h.reject(w, repl, key, *idProb)
+		return h.refuse(&q, key, *idProb)
 	case key == "" && h.keyPointer == nil:
-		repl.Set("http.idempotency.result", resultNoKey)
-		return next.ServeHTTP(w, r)
+		return h.pass(&q, resultNoKey)
 	}
 	q.credID = credentialID(rk.CredentialHash)
 
@@ -635,20 +628,24 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	body, held, prob := h.readBody(r)
 	defer h.bodyBudget.release(held)
 	if prob != nil {
-		return h.reject(w, repl, key, *prob)
-	}
-	if h.keyPointer != nil {
-		if prob := h.keyFromBody(&q, body); prob != nil {
-			return h.reject(w, repl, "", *prob)
+		if h.Shadow {
+			// Passed on as it came: the part read, then the rest.
+			restoreBody(r, body, prob)
 		}
-		if q.key == "" || ownedOnTheWay(r.Context(), h.records, q.rk) {
-			// Without a key under `optional`, or executed under this
-			// very record by a handler around this one (as above).
-			if q.key == "" {
-				repl.Set("http.idempotency.result", resultNoKey)
-			}
-			restoreBody(r, body, nil)
-			return next.ServeHTTP(w, r)
+		return h.refuse(&q, key, *prob)
+	}
+	q.body, q.bodyRead = body, true
+	if h.keyPointer != nil {
+		switch prob := h.keyFromBody(&q, body); {
+		case prob != nil:
+			return h.refuse(&q, "", *prob)
+		case q.key == "":
+			// Without a key under `optional`.
+			return h.pass(&q, resultNoKey)
+		case ownedOnTheWay(r.Context(), h.records, q.rk):
+			// Executed under this very record by a handler around this
+			// one (as above).
+			return q.handOn()
 		}
 	}
 
@@ -666,10 +663,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), logHost(r))
 	if err != nil {
 		h.storeError(&q, "acquire", err)
-		if h.OnStoreError == onStoreErrorFailOpen {
-			return h.failOpen(&q, body)
-		}
-		return h.finish(w, repl, resultStoreError, probStoreUnavailable, h.retrySecs)
+		return h.storeFailed(&q)
 	}
 
 	// 6. An existing record.
@@ -677,7 +671,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.existing(&q, acq.Record)
 	}
 	if refused := h.confirmLate(&q); refused != nil {
-		return h.finish(w, repl, refused.result, refused.prob, refused.retryAfter)
+		return h.answer(&q, *refused)
 	}
 
 	// 7–9. Execute, then complete or release.
@@ -688,7 +682,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // verdict is what a request that is not executed under its record gets:
 // the result that {http.idempotency.result} shows, and the problem that
 // enforcement answers (none for a replay). Shadow mode executes the
-// request instead, unrecorded, under the result (serveShadow).
+// request instead, unrecorded, under the result (answer).
 type verdict struct {
 	result     string
 	prob       problem
@@ -809,7 +803,7 @@ func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string
 }
 
 func (h *Handler) finish(w http.ResponseWriter, repl *caddy.Replacer, result string, p problem, retryAfter int) error {
-	repl.Set("http.idempotency.result", result)
+	h.setResult(repl, result)
 	p.worded(h.words).write(w, retryAfter)
 	return nil
 }

@@ -85,7 +85,7 @@ var errRefusedWithin = errors.New("an idempotency handler inside this one answer
 // to store for the retries of this handler's key, since nothing ran.
 // A replay is an answer: the request ran once, under the other key.
 func refusedWithin(repl *caddy.Replacer) bool {
-	switch result, _ := repl.GetString("http.idempotency.result"); result {
+	switch result, _ := repl.GetString(resultPlaceholder); result {
 	case resultMismatch, resultInProgress, resultRejected, resultStoreError:
 		return true
 	}

@@ -324,7 +324,7 @@ func (h *Handler) releaseUnstored(q *request, status int) {
 	if !h.release(q, errNotStoredStatus, zap.Int("status", status)) {
 		result = resultStoreError
 	}
-	q.repl.Set("http.idempotency.result", h.result(result))
+	h.setResult(q.repl, result)
 }
 
 // errNotStoredStatus is the cause logged for a release by store_status.
