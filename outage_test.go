@@ -288,6 +288,11 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 // replays. Catches a retry that takes the record over and executes the
 // request a second time beside its live owner.
 func TestPartitionLongerThanLeaseRetriedHere(t *testing.T) {
+	t.Run("retried once the database answers", testPartitionRetriedAfter)
+	t.Run("retried early in the partition", testPartitionRetriedEarly)
+}
+
+func testPartitionRetriedAfter(t *testing.T) {
 	const lock = 2 * time.Second
 	sb := postgresBackend(t)
 	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
@@ -307,6 +312,35 @@ func TestPartitionLongerThanLeaseRetriedHere(t *testing.T) {
 	if retry.Status != http.StatusConflict || problemType(retry) != "in-progress" {
 		t.Errorf("a retry once the database answers again, its owner still running: %s, want 409 in progress", retry)
 	}
+	first := <-owner
+	wantExecuted(t, first, http.StatusCreated)
+	wantReplayOf(t, pollPastInProgress(t, s, c), first)
+	wantCount(t, up, 1)
+}
+
+// A retry sent early in the partition, while the owner's lease is still
+// live, is answered here too, not sent: an acquire held in the network
+// would reach the database after the lease ended and take the record
+// over. Here the cut refuses connections, so an acquire sent would fail
+// (503 after the store's timeout); answered here, it is 409 in progress
+// at once, and the replay once the owner has stored its response.
+func testPartitionRetriedEarly(t *testing.T) {
+	const lock = 6 * time.Second
+	sb := postgresBackend(t)
+	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	up := newUpstream(t)
+	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(), fmt.Sprintf(
+		"store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}\n\t\tlock_timeout %s\n\t\tretry_after 1s\n\t\tprune_interval 0",
+		throughForwarder(t, sb.DSN, fwd), sb.Table, lock))
+	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3 * time.Second)}
+	owner := runBackground(t, s, c)
+	up.WaitStarted(t, 1)
+	fwd.Cut()
+	retry := s.Do(t, c)
+	if retry.Status != http.StatusConflict || problemType(retry) != "in-progress" {
+		t.Errorf("a retry early in the partition, its owner running here: %s, want 409 in progress", retry)
+	}
+	fwd.Restore()
 	first := <-owner
 	wantExecuted(t, first, http.StatusCreated)
 	wantReplayOf(t, pollPastInProgress(t, s, c), first)

@@ -127,11 +127,13 @@ func (h *Handler) keepLock(q *request) *lease {
 // than lock_timeout) lets it end while the owner still runs: its
 // renewals did not arrive. Another instance may then take the record
 // over, which no instance can prevent; but a retry sent to this process,
-// the usual case of a client whose connection the outage broke, need not:
-// the owner is alive here, and once the store answers again its
-// completion, under a token nobody replaced, still stores the response.
-// So an acquire of a key whose owner runs here with its lease overdue
-// (heldHere) is answered as in progress without asking the store.
+// the usual case of a client whose connection the outage broke, need not.
+// Nor may its acquire be sent at all: one sent early in a partition can
+// sit in the network and reach the database after the lease has ended,
+// where it takes the record over. The owner is alive here, and once the
+// store answers again its completion, under a token nobody replaced,
+// still stores the response. So an acquire of a key whose owner runs here
+// is answered as in progress without asking the store (heldHere).
 var liveLocks sync.Map // liveLockKey -> *lease
 
 type liveLockKey struct {
@@ -140,10 +142,11 @@ type liveLockKey struct {
 }
 
 // heldHere returns the record that an owner in this process holds for
-// key, if its lease may have ended in the store for want of renewals: a
-// renewal is overdue. While renewals succeed the store answers as
-// truthfully, and the answer of a completion that has just been stored
-// (which a waiter looks for) must come from it.
+// key, to answer an acquire of it: while the owner runs, and while it
+// completes with a renewal overdue. A completion that is on time is left
+// to the store to answer, since it may have been stored already, and a
+// request waiting for it (`wait`) must then find the response, not the
+// owner that is about to let go.
 func heldHere(records string, key RecordKey) *Record {
 	v, ok := liveLocks.Load(liveLockKey{records, key})
 	if !ok {
@@ -156,9 +159,9 @@ func heldHere(records string, key RecordKey) *Record {
 	// instance did take it, this process's retries wait for the owner
 	// here to end, no longer.
 	ls.r.mu.Lock()
-	dated, stopped := ls.l.dated, ls.l.stopped
+	dated, stopped, completing := ls.l.dated, ls.l.stopped, ls.l.completing
 	ls.r.mu.Unlock()
-	if stopped || time.Since(dated) < ls.r.h.renewInterval() {
+	if stopped || completing && time.Since(dated) < ls.r.h.renewInterval() {
 		return nil
 	}
 	method, u := clientRequest(ls.r0)
