@@ -413,6 +413,7 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 		if u.cache != nil {
 			u.cache.evict(rec.Key)
 		}
+		forgetLiveLock(u.group, rec.Key)
 	}
 	return writeAdminJSON(w, struct {
 		Store    string     `json:"store"`

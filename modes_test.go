@@ -100,12 +100,27 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	acquires := func() float64 {
 		return scrapeMetrics(t, admin).value("caddy_idempotency_store_duration_seconds", "operation", "acquire")
 	}
+	// The first request runs on another instance: the retries of a key
+	// whose owner runs in their own process are answered there, without
+	// the store, and it is the store's acquires that show a waiter that
+	// polls. It waits too, so that its completion notifies.
+	ownerPort := freeTCPPort(t)
+	owner := procSite(t, startCaddyProc(t, "owner", fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		wait 20s
+		lock_timeout 1h
+		replay_cache off
+	}
+	reverse_proxy %s
+}
+`, ownerPort, sb.Block(), up.Addr())), ownerPort)
 
 	// The first request's response is held open (its record in
 	// progress) until every waiter waits: a fixed sleep let a busy
 	// machine start the waiters after the record was complete.
 	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": "waiters"}}
-	firstCh := runBackground(t, s, c)
+	firstCh := runBackground(t, owner, c)
 	up.WaitStarted(t, 1)
 	before := acquires()
 	const waiters = 4

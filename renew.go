@@ -141,6 +141,13 @@ type liveLockKey struct {
 	rk      RecordKey
 }
 
+// forgetLiveLock stops answering key's retries for the owner that runs
+// here: an operator released its record (force), and the next request
+// with the key is to execute, while the owner runs on.
+func forgetLiveLock(records string, key RecordKey) {
+	liveLocks.Delete(liveLockKey{records, key})
+}
+
 // heldHere returns the record that an owner in this process holds for
 // key, to answer an acquire of it: while the owner runs, and while it
 // completes with a renewal overdue. A completion that is on time is left
