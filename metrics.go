@@ -315,7 +315,7 @@ func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []e
 	var failed error
 	for _, err := range errs {
 		m.count(ctx, err)
-		if err != nil && failed == nil && unanswered(err) {
+		if err != nil && failed == nil && noAnswer(err) {
 			failed = err
 		}
 	}

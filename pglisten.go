@@ -259,10 +259,10 @@ func (l *pgListener) run(ctx context.Context) {
 		}
 		if connected {
 			backoff = 100 * time.Millisecond
-			// The first failure after a connection that listened starts
-			// an outage: it is logged, however soon.
-			l.errorLines.reset()
 		}
+		// A connection that listens and is lost again within a second
+		// (a flapping link) writes no second line in that second: the
+		// limiter is not reset as the connection comes back.
 		if ok, suppressed := l.errorLines.allow(sinceStart()); ok {
 			caddy.Log().Named("http.handlers.idempotency.stores.postgres").Error("idempotency.store_error",
 				storeErrorFields(opListen, err, suppressed, zap.Duration("retry_in", backoff))...)

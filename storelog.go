@@ -64,9 +64,6 @@ func (l *lineLimiter) allow(now time.Duration) (ok bool, suppressed int64) {
 	return false, 0
 }
 
-// reset lets the next line through, whenever it comes.
-func (l *lineLimiter) reset() { l.next.Store(0) }
-
 // storeLog is a handler's account of its store's failures: the limiters
 // of its store_error lines, and the outage under way, if any. Per
 // handler, as the lines are: each names its handler's server, and a
@@ -122,13 +119,21 @@ func (l *storeLog) begin() int64 {
 // observed takes in the outcome of the store call op, which began at
 // epoch: a store that does not answer begins an outage, one that answers
 // ends it. A call that its caller gave up tells neither.
+//
+// A cancelled statement is never an answer. A batch's statement runs
+// under a context of its own, cancelled once every request in it has
+// given up (sendBatch), and pgx then returns context.Canceled, not the
+// callers' deadline: the caller whose deadline passed got no answer in
+// time, and one whose context is still live (the store closing) learnt
+// nothing.
 func (l *storeLog) observed(ctx context.Context, op string, epoch int64, err error) {
 	if l == nil {
 		return
 	}
 	switch {
 	case err != nil && errors.Is(ctx.Err(), context.Canceled):
-	case err == nil || !unanswered(err):
+	case errors.Is(err, context.Canceled) && ctx.Err() == nil:
+	case err == nil || !noAnswer(err):
 		if epoch&1 == 1 && l.epoch.CompareAndSwap(epoch, epoch+1) {
 			l.answered()
 		}
@@ -141,16 +146,35 @@ func (l *storeLog) observed(ctx context.Context, op string, epoch int64, err err
 }
 
 // unavailable begins an outage, whose first failure was op's err. The
-// next store_error line of each operation is written whenever it comes:
-// the first of an outage is always logged.
+// limiters go on as they were: an outage that begins within a second of
+// an operation's last line (the store flapping) must not let a second
+// line through. The lines left out since each operation's last one and
+// not yet counted (the failures of calls that outlived the last outage)
+// are counted here, so that the next outage's lines count its own.
 func (l *storeLog) unavailable(op string, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.since = l.now()
-	for i := range l.ops {
-		l.ops[i].reset()
+	fields := []zap.Field{zap.String("operation", op), zap.Error(err)}
+	if suppressed := l.takeSuppressed(); len(suppressed) > 0 {
+		fields = append(fields, zap.Any("suppressed_store_errors", suppressed))
 	}
-	l.h.logger.Warn("idempotency.store_unavailable", zap.String("operation", op), zap.Error(err))
+	l.h.logger.Warn("idempotency.store_unavailable", fields...)
+}
+
+// takeSuppressed returns, by operation, the store_error lines left out
+// and not yet counted, and counts them as told.
+func (l *storeLog) takeSuppressed() map[string]int64 {
+	var suppressed map[string]int64
+	for i := range l.ops {
+		if n := l.ops[i].suppressed.Swap(0); n > 0 {
+			if suppressed == nil {
+				suppressed = make(map[string]int64)
+			}
+			suppressed[loggedOps[i]] = n
+		}
+	}
+	return suppressed
 }
 
 // answered ends the outage, saying how long it lasted, what it held up
@@ -164,13 +188,7 @@ func (l *storeLog) answered() {
 		zap.Int64("held", l.held.Swap(0)),
 		zap.Int64("failed", l.failed.Swap(0)),
 	}
-	suppressed := make(map[string]int64)
-	for i := range l.ops {
-		if n := l.ops[i].suppressed.Swap(0); n > 0 {
-			suppressed[loggedOps[i]] = n
-		}
-	}
-	if len(suppressed) > 0 {
+	if suppressed := l.takeSuppressed(); len(suppressed) > 0 {
 		fields = append(fields, zap.Any("suppressed_store_errors", suppressed))
 	}
 	l.h.logger.Info("idempotency.store_recovered", fields...)
@@ -199,6 +217,12 @@ func unanswered(err error) bool {
 	var netErr net.Error
 	return errors.As(err, &netErr) || connectionLost(err)
 }
+
+// noAnswer reports whether err, the failure of a store call whose caller
+// had not given up, says that the store did not answer (observed): a
+// statement cancelled on the caller's behalf is one that its deadline
+// cut short.
+func noAnswer(err error) bool { return unanswered(err) || errors.Is(err, context.Canceled) }
 
 // storeErrorFields are the fields of a store_error line of op: the
 // operation, then fields (the request's), the error, and the number of

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -229,8 +230,140 @@ func TestLineLimiterCountsEveryFailure(t *testing.T) {
 	if got := written.Load() + reported.Load() + l.suppressed.Load(); got != 3*8*500 {
 		t.Errorf("written, reported left out and pending add up to %d, want %d", got, 3*8*500)
 	}
-	l.reset()
-	if ok, _ := l.allow(now + 2*storeErrorInterval); !ok {
-		t.Errorf("after a reset, the next line is left out")
+}
+
+// testStoreLog is a storeLog that logs to an observer, on a clock that
+// the test moves.
+func testStoreLog() (*storeLog, *observer.ObservedLogs, *testClock) {
+	core, logs := observer.New(zap.InfoLevel)
+	clock := new(testClock)
+	clock.advance(time.Hour)
+	return &storeLog{h: &Handler{logger: zap.New(core)}, now: clock.now}, logs, clock
+}
+
+// A batch's statement is cancelled once all its requests have given up,
+// and pgx then returns context.Canceled, which the request whose deadline
+// passed may get in place of its own context's error. That is no answer
+// from the store. Catches the store_recovered lines of a silent database
+// that the tester saw (down_seconds 0.52, a completion attempt's timeout,
+// while the requests it held were still waiting).
+func TestStoreLogCancelledStatementIsNoAnswer(t *testing.T) {
+	l, logs, _ := testStoreLog()
+	timedOut, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	l.observed(timedOut, opComplete, l.begin(), fmt.Errorf("postgres store: complete: %w", context.DeadlineExceeded))
+	// As sendOwned wraps the batch's error.
+	batchCancelled := fmt.Errorf("postgres store: complete: %w", context.Canceled)
+	l.observed(timedOut, opComplete, l.begin(), batchCancelled)
+	l.observed(context.Background(), opRenew, l.begin(), batchCancelled) // a store closing
+	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 0 {
+		t.Fatalf("%d store_recovered lines while no statement was answered", n)
+	}
+	if f := l.failed.Load(); f != 2 {
+		t.Errorf("%d failed calls counted, want the 2 that timed out", f)
+	}
+	l.observed(context.Background(), opComplete, l.begin(), nil)
+	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 1 {
+		t.Errorf("%d store_recovered lines once the store answered, want 1", n)
+	}
+}
+
+// The same, end to end: a database gone silent (its replies lost), with
+// completions and renewals timing out against it, is one outage until it
+// answers again.
+func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
+	fwd := newTCPForwarder(t, postgresAddr(t, testDSN(t)))
+	ps := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, testDSN(t), fwd), Table: freshTable(t), MaxConns: 8})
+	l, logs, _ := testStoreLog()
+	l.now = sinceStart
+	m := newStoreMetrics("storelog-silent")
+	m.log = l
+	st := instrumentedStore{ps, m}
+	call := func(i int) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		defer cancel()
+		key := RecordKey{Key: fmt.Sprintf("silent-%d", i)}
+		if i%2 == 0 {
+			return st.Complete(ctx, key, newLockToken(), &Response{Status: 201}, time.Hour)
+		}
+		return st.Renew(ctx, key, newLockToken())
+	}
+	if err := call(1); !errors.Is(err, ErrLockLost) {
+		t.Fatalf("a renewal of no record: %v, want ErrLockLost", err)
+	}
+	fwd.Mute()
+	var cancelled atomic.Int64
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; i < 12; i++ {
+				if err := call(w*100 + i); errors.Is(err, context.Canceled) {
+					cancelled.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d of 48 calls into the silence failed with context.Canceled", cancelled.Load())
+	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 0 {
+		t.Errorf("%d store_recovered lines while the database was silent: %v", n, logs.FilterMessage("idempotency.store_recovered").All())
+	}
+	if n := logs.FilterMessage("idempotency.store_unavailable").Len(); n != 1 {
+		t.Errorf("%d store_unavailable lines for one silence, want 1", n)
+	}
+	fwd.Unmute()
+	waitFor(t, 15*time.Second, "the store to answer", func() bool { return errors.Is(call(1), ErrLockLost) })
+	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 1 {
+		t.Errorf("%d store_recovered lines once the database answered, want 1", n)
+	}
+}
+
+// A store that flaps (an outage, an answer, an outage again within a
+// second) writes no more than one store_error line a second per
+// operation, and the lines it leaves out between two outages are counted
+// as the next one begins, not by the next outage's lines. Catches renew
+// lines 0.5 s apart, each false edge letting one through, and counts
+// carried into an outage minutes later.
+func TestStoreLogFlappingKeepsTheLimit(t *testing.T) {
+	l, logs, clock := testStoreLog()
+	down := fmt.Errorf("postgres store: renew: %w", context.DeadlineExceeded)
+	timedOut, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
+	defer cancel()
+	line := func() (bool, int64) { return l.allow(opRenew) }
+
+	l.observed(timedOut, opRenew, l.begin(), down)
+	if ok, _ := line(); !ok {
+		t.Fatal("the first line of an outage was left out")
+	}
+	clock.advance(300 * time.Millisecond)
+	line() // left out
+	clock.advance(200 * time.Millisecond)
+	l.observed(context.Background(), opRenew, l.begin(), nil)
+	clock.advance(50 * time.Millisecond)
+	line() // left out, after the outage's end: a renewal sent during it
+	clock.advance(50 * time.Millisecond)
+	l.observed(timedOut, opRenew, l.begin(), down)
+	clock.advance(100 * time.Millisecond)
+	if ok, _ := line(); ok {
+		t.Errorf("a second renew line 0.7 s after the first, at the start of a second outage")
+	}
+	clock.advance(300 * time.Millisecond)
+	ok, suppressed := line()
+	if !ok || suppressed != 1 {
+		t.Errorf("a second after the first line: written %v, suppressed %d; want written, with the 1 left out in this outage", ok, suppressed)
+	}
+	recovered := logs.FilterMessage("idempotency.store_recovered").All()
+	unavailable := logs.FilterMessage("idempotency.store_unavailable").All()
+	if len(recovered) != 1 || len(unavailable) != 2 {
+		t.Fatalf("%d store_recovered and %d store_unavailable lines, want 1 and 2", len(recovered), len(unavailable))
+	}
+	if got := recovered[0].ContextMap()["suppressed_store_errors"]; fmt.Sprint(got) != "map[renew:1]" {
+		t.Errorf("store_recovered counts %v left out, want renew:1", got)
+	}
+	if got := unavailable[1].ContextMap()["suppressed_store_errors"]; fmt.Sprint(got) != "map[renew:1]" {
+		t.Errorf("the second store_unavailable counts %v left out since the first outage, want renew:1", got)
+	}
+	if _, ok := unavailable[0].ContextMap()["suppressed_store_errors"]; ok {
+		t.Errorf("the first store_unavailable counts lines left out before any: %v", unavailable[0].ContextMap())
 	}
 }
