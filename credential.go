@@ -264,7 +264,16 @@ func (h *Handler) provisionCredentials() error {
 		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", innermost(h.store))
 	}
 	src.UseCredentialSecret()
-	h.credKey.load = src.CredentialSecret
+	// The secret is read from the store, whose failure to give it (a
+	// database down at start) is an outage like any other: it is framed
+	// by store_unavailable and store_recovered, which counts the
+	// credential_secret lines left out meanwhile.
+	h.credKey.load = func(ctx context.Context) ([]byte, error) {
+		epoch := h.storeLog.begin()
+		secret, err := src.CredentialSecret(ctx)
+		h.storeLog.observed(ctx, opCredentialSecret, epoch, err)
+		return secret, err
+	}
 	return nil
 }
 

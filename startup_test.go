@@ -244,3 +244,63 @@ http://127.0.0.1:%[2]d {
 		}
 	})
 }
+
+// With the database down at start, requests fail on the credential
+// secret, one line a second: that is an outage like any other, framed by
+// store_unavailable and store_recovered, which counts the lines left out
+// once the store starts and answers. Catches lines left out at boot that
+// nothing ever counted.
+func TestBootOutageCountsCredentialSecretLines(t *testing.T) {
+	sb := postgresBackend(t)
+	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd.Cut()
+	up := newUpstream(t)
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: throughForwarder(t, sb.DSN, fwd), Table: sb.Table},
+		up.Addr(), "retry_after 1s")
+	refused := 0
+	for start := time.Now(); time.Since(start) < 1500*time.Millisecond; {
+		r := s.Do(t, call{Key: newKey(), Body: payBody()})
+		if r.Status != http.StatusServiceUnavailable {
+			t.Fatalf("with the database down: %s, want 503", r)
+		}
+		refused++
+		time.Sleep(20 * time.Millisecond)
+	}
+	fwd.Restore()
+	waitFor(t, 15*time.Second, "the store's start", func() bool {
+		r := s.Do(t, call{Key: newKey(), Body: payBody()})
+		if r.Status == http.StatusServiceUnavailable {
+			refused++
+		}
+		return r.Status == http.StatusCreated
+	})
+
+	var unavailable, recovered []map[string]any
+	accounted := int64(0)
+	for _, l := range s.moduleLogLines(t) {
+		switch l["msg"] {
+		case "idempotency.store_unavailable":
+			unavailable = append(unavailable, l)
+		case "idempotency.store_recovered":
+			recovered = append(recovered, l)
+		case "idempotency.store_error":
+			if l["operation"] == opCredentialSecret {
+				n, _ := l["suppressed"].(float64)
+				accounted += 1 + int64(n)
+			}
+		}
+	}
+	if len(unavailable) != 1 || len(recovered) != 1 {
+		t.Fatalf("%d store_unavailable and %d store_recovered lines for the boot outage, want one each", len(unavailable), len(recovered))
+	}
+	if unavailable[0]["operation"] != opCredentialSecret {
+		t.Errorf("the outage began with %v, want %s", unavailable[0]["operation"], opCredentialSecret)
+	}
+	left, _ := recovered[0]["suppressed_store_errors"].(map[string]any)
+	n, _ := left[opCredentialSecret].(float64)
+	accounted += int64(n)
+	if accounted != int64(refused) {
+		t.Errorf("the credential_secret lines and those counted as left out account for %d failures, want the %d refused: %v",
+			accounted, refused, recovered[0])
+	}
+}
