@@ -239,8 +239,18 @@ http://127.0.0.1:%[2]d {
 		if n := count(srv, msgPrefix("postgres store started")); n != 1 {
 			t.Errorf("%d lines for its end, want 1", n)
 		}
-		if n := count(srv, msgPrefix("applied schema migrations")); n != 1 {
-			t.Errorf("%d migration lines, want 1", n)
+		// Each migration is applied once, by whichever store's start
+		// holds the migrations' lock first: one line, or two whose counts
+		// add up, never a migration counted twice.
+		applied := 0.0
+		for _, l := range srv.moduleLogLines(t) {
+			if l["msg"] == "applied schema migrations" {
+				applied += l["count"].(float64)
+			}
+		}
+		files, _ := migrationFiles.ReadDir("migrations")
+		if int(applied) != len(files) {
+			t.Errorf("migration lines count %v migrations, want %d", applied, len(files))
 		}
 	})
 }
