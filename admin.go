@@ -27,6 +27,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -53,7 +54,7 @@ var bodyListings sync.Mutex
 // API finds them.
 type storeUser struct {
 	h     *Handler
-	store Inspector
+	store store.Inspector
 	// cache is the handler's replay cache, or nil.
 	cache *replayCache
 	// group is the same for every handler whose store holds the same
@@ -84,16 +85,16 @@ type adminNamer interface {
 // registerStore makes h's store, if it is an Inspector, reachable
 // through the admin API until h's config is unloaded (Cleanup).
 func (h *Handler) registerStore() {
-	s, ok := storeAs[Inspector](h.store)
+	s, ok := store.As[store.Inspector](h.store)
 	if !ok {
 		return
 	}
 	u := storeUser{h: h, store: s, cache: h.cache, group: h.records}
-	if n, ok := storeAs[adminNamer](h.store); ok {
+	if n, ok := store.As[adminNamer](h.store); ok {
 		u.name, u.backend, u.table, u.database = n.adminName()
 	} else {
-		u.name = fmt.Sprintf("%T", innermost(h.store))
-		if m, ok := innermost(h.store).(caddy.Module); ok {
+		u.name = fmt.Sprintf("%T", store.Innermost(h.store))
+		if m, ok := store.Innermost(h.store).(caddy.Module); ok {
 			u.name = m.CaddyModule().ID.Name()
 		}
 		u.backend = u.name
@@ -267,27 +268,27 @@ func parseAdminSelector(r *http.Request) (adminSelector, error) {
 }
 
 // resolve finds the store the selector names and turns it into a filter.
-func (sel adminSelector) resolve(ctx context.Context) (*adminStore, RecordFilter, error) {
-	var f RecordFilter
+func (sel adminSelector) resolve(ctx context.Context) (*adminStore, store.RecordFilter, error) {
+	var f store.RecordFilter
 	stores := adminStores()
 	names := make([]string, len(stores))
 	for i, s := range stores {
 		names[i] = s.Name
 	}
-	var store *adminStore
+	var st *adminStore
 	switch {
 	case len(stores) == 0:
 		return nil, f, adminError(http.StatusNotFound, errors.New("the running config has no idempotency handler"))
 	case sel.Store == "" && len(stores) > 1:
 		return nil, f, adminError(http.StatusBadRequest, fmt.Errorf("several stores run: name one with store (%s)", strings.Join(names, ", ")))
 	case sel.Store == "":
-		store = stores[0]
+		st = stores[0]
 	default:
 		i := slices.Index(names, sel.Store)
 		if i < 0 {
 			return nil, f, adminError(http.StatusNotFound, fmt.Errorf("no running store %q (running: %s)", sel.Store, strings.Join(names, ", ")))
 		}
-		store = stores[i]
+		st = stores[i]
 	}
 
 	switch {
@@ -314,7 +315,7 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, RecordFilter
 	case sel.Credential != "":
 		// Each handler hashes under its own credential_secret, or the
 		// store's: the credential is any of them.
-		for _, u := range store.users {
+		for _, u := range st.users {
 			hasher, err := u.h.credKey.get(ctx)
 			if err != nil {
 				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
@@ -341,14 +342,14 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, RecordFilter
 		f.Limit = sel.Limit
 	}
 	f.WithResponse = sel.Body
-	for _, u := range store.users {
+	for _, u := range st.users {
 		f.LockTimeout = max(f.LockTimeout, time.Duration(u.h.LockTimeout))
 	}
-	return store, f, nil
+	return st, f, nil
 }
 
 func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel adminSelector) error {
-	store, f, err := sel.resolve(ctx)
+	st, f, err := sel.resolve(ctx)
 	if err != nil {
 		return err
 	}
@@ -357,16 +358,16 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 		defer bodyListings.Unlock()
 	}
 	f.Limit++ // one more, to tell whether the list is cut
-	recs, err := store.users[0].store.InspectRecords(ctx, f)
+	recs, err := st.users[0].store.InspectRecords(ctx, f)
 	if err != nil {
-		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
+		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", st.Name, err))
 	}
 	f.Limit--
 	out := struct {
 		Store     string       `json:"store"`
 		Records   []recordJSON `json:"records"`
 		Truncated bool         `json:"truncated,omitempty"`
-	}{Store: store.Name, Records: []recordJSON{}}
+	}{Store: st.Name, Records: []recordJSON{}}
 	if len(recs) > f.Limit {
 		recs, out.Truncated = recs[:f.Limit], true
 	}
@@ -390,26 +391,26 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 	if sel.CredentialID == "" && sel.Credential == "" {
 		return adminError(http.StatusBadRequest, errors.New("release needs credential_id (as the log lines print it) or credential"))
 	}
-	store, f, err := sel.resolve(ctx)
+	st, f, err := sel.resolve(ctx)
 	if err != nil {
 		return err
 	}
-	rec, err := releaseRecord(ctx, store.users[0].store, f, sel.Force)
+	rec, err := releaseRecord(ctx, st.users[0].store, f, sel.Force)
 	switch {
-	case errors.Is(err, ErrNoRecord):
-		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", store.Name, f.Key))
+	case errors.Is(err, store.ErrNoRecord):
+		return adminError(http.StatusNotFound, fmt.Errorf("%s: no record of key %q for this credential", st.Name, f.Key))
 	case errors.Is(err, errAmbiguous):
-		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", store.Name, f.Key))
+		return adminError(http.StatusConflict, fmt.Errorf("%s: several credentials match with key %q; nothing deleted: give a longer credential_id (a credential_hash of /idempotency/records) or credential", st.Name, f.Key))
 	case errors.Is(err, errCompleted):
 		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is %s, not in progress: its retries are replayed; nothing deleted (force deletes it, and the next request with the key executes again)", f.Key, rec.Record.Status))
 	case errors.Is(err, errLeaseLive):
-		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.Key, rec.lockState()))
+		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)", f.Key, lockState(rec)))
 	case errors.Is(err, errChanged):
 		return adminError(http.StatusConflict, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: look at it again", f.Key))
 	case err != nil:
-		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", store.Name, err))
+		return adminError(http.StatusServiceUnavailable, fmt.Errorf("%s: %v", st.Name, err))
 	}
-	for _, u := range store.users {
+	for _, u := range st.users {
 		if u.cache != nil {
 			u.cache.evict(rec.Key)
 		}
@@ -418,11 +419,11 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 	return writeAdminJSON(w, struct {
 		Store    string     `json:"store"`
 		Released recordJSON `json:"released"`
-	}{store.Name, newRecordJSON(rec, false)})
+	}{st.Name, newRecordJSON(rec, false)})
 }
 
 // evict drops the cached copy of key's record, if there is one.
-func (c *replayCache) evict(key RecordKey) {
+func (c *replayCache) evict(key store.RecordKey) {
 	c.mu.Lock()
 	if e := c.entries[key]; e != nil {
 		c.remove(e)

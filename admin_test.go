@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -152,7 +153,7 @@ func TestAdminAPIRecords(t *testing.T) {
 			t.Fatalf("records of %s: %+v", k1, recs)
 		}
 		rec := recs.Records[0]
-		if rec.Key != k1 || rec.Status != StatusCompleted || rec.Method != "POST" || rec.Path != "/pay" ||
+		if rec.Key != k1 || rec.Status != store.StatusCompleted || rec.Method != "POST" || rec.Path != "/pay" ||
 			rec.ResponseStatus == nil || *rec.ResponseStatus != http.StatusCreated || rec.Response != nil || len(rec.CredentialID) != 12 {
 			t.Fatalf("record: %+v", rec)
 		}
@@ -235,7 +236,7 @@ func TestAdminAPIReleaseInProgress(t *testing.T) {
 		up.WaitStarted(t, 1)
 
 		recs := admin.records(url.Values{"store": {name}, "key": {k}}, nil)
-		if len(recs.Records) != 1 || recs.Records[0].Status != StatusInProgress || recs.Records[0].LockedUntil == nil || recs.Records[0].LeaseEnded {
+		if len(recs.Records) != 1 || recs.Records[0].Status != store.StatusInProgress || recs.Records[0].LockedUntil == nil || recs.Records[0].LeaseEnded {
 			t.Fatalf("the held record: %+v", recs)
 		}
 		id := recs.Records[0].CredentialID

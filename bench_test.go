@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -327,7 +328,7 @@ func TestFirstExecutionCopiesTheBodyOnce(t *testing.T) {
 }
 
 // benchMemoryStore is the memory store, unprovisioned: see newReplayBench.
-type benchMemoryStore struct{ Store }
+type benchMemoryStore struct{ store.Store }
 
 // The memory store, as production provisions it (storeCall).
 func (benchMemoryStore) InProcess() {}

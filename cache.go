@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"sync"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // defaultReplayCache is the replay cache's size per handler. A recorded
@@ -53,7 +55,7 @@ const cacheEntryOverhead = 320
 // Cached responses are shared between the requests that replay them and
 // must not be modified; the handler only reads them.
 type replayCache struct {
-	Store
+	store.Store
 	// learnOnComplete: cache the responses of records this instance
 	// completes, not only those read back from the store. Off in front
 	// of the memory store, where the first replay is as cheap as the
@@ -66,19 +68,19 @@ type replayCache struct {
 	now      func() time.Time
 
 	mu      sync.Mutex
-	entries map[RecordKey]*cacheEntry
+	entries map[store.RecordKey]*cacheEntry
 	// lru is the sentinel of a circular list, most recently used first.
 	lru  cacheEntry
 	size int64
 
 	pmu       sync.Mutex
-	pending   map[LockToken]pendingRecord
+	pending   map[store.LockToken]pendingRecord
 	lastSweep time.Time
 }
 
 type cacheEntry struct {
-	key RecordKey
-	rec Record
+	key store.RecordKey
+	rec store.Record
 	// deadline is when the entry stops being served, on the local clock
 	// (with its monotonic reading): at or before the record's expiry.
 	deadline   time.Time
@@ -89,7 +91,7 @@ type cacheEntry struct {
 // pendingRecord is what the cache knows of a record this instance
 // created and has not completed yet.
 type pendingRecord struct {
-	key         RecordKey
+	key         store.RecordKey
 	fingerprint [32]byte
 	method      string
 	path        string
@@ -103,15 +105,15 @@ type pendingRecord struct {
 }
 
 // newReplayCache wraps store in a cache of capacity bytes.
-func newReplayCache(store Store, capacity int64) *replayCache {
+func newReplayCache(st store.Store, capacity int64) *replayCache {
 	c := &replayCache{
-		Store:           store,
+		Store:           st,
 		learnOnComplete: true,
 		capacity:        capacity,
 		maxEntry:        capacity / cacheMaxEntryShare,
 		now:             time.Now,
-		entries:         make(map[RecordKey]*cacheEntry),
-		pending:         make(map[LockToken]pendingRecord),
+		entries:         make(map[store.RecordKey]*cacheEntry),
+		pending:         make(map[store.LockToken]pendingRecord),
 	}
 	c.lru.next, c.lru.prev = &c.lru, &c.lru
 	return c
@@ -119,24 +121,24 @@ func newReplayCache(store Store, capacity int64) *replayCache {
 
 // Acquire implements Store: a live cached record is answered at once, as
 // the store would answer it; anything else goes to the store.
-func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (c *replayCache) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	now := c.now()
 	if rec := c.get(req.Key, now); rec != nil {
-		return AcquireResult{Outcome: OutcomeExisting, Record: rec}, nil
+		return store.AcquireResult{Outcome: store.OutcomeExisting, Record: rec}, nil
 	}
 	res, err := c.Store.Acquire(ctx, req)
 	if err != nil {
 		return res, err
 	}
 	switch res.Outcome {
-	case OutcomeExisting:
-		if rec := res.Record; rec != nil && rec.Status == StatusCompleted {
+	case store.OutcomeExisting:
+		if rec := res.Record; rec != nil && rec.Status == store.StatusCompleted {
 			// The store measured the record's remaining lifetime after
 			// now, when the statement was sent: counted from now, the
 			// entry ends no later than the record.
 			c.put(req.Key, rec, now.Add(rec.TTL), now, false)
 		}
-	case OutcomeCreated:
+	case store.OutcomeCreated:
 		// A takeover is not remembered: whether it restarted the
 		// record's expiry depends on the store.
 		if c.learnOnComplete {
@@ -148,10 +150,10 @@ func (c *replayCache) Acquire(ctx context.Context, req AcquireRequest) (AcquireR
 
 // Complete implements Store, and caches the response of a record this
 // instance created.
-func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (c *replayCache) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	c.sending(token, c.now())
 	err := c.Store.Complete(ctx, key, token, resp, retention)
-	if err != nil && !errors.Is(err, ErrLockLost) {
+	if err != nil && !errors.Is(err, store.ErrLockLost) {
 		// The handler tries again: keep what a success will need.
 		return err
 	}
@@ -164,8 +166,8 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 	// whose reply was lost, which this one then found done. Either came
 	// after the first attempt was sent.
 	deadline := p.completing.Add(retention)
-	rec := &Record{
-		Status:      StatusCompleted,
+	rec := &store.Record{
+		Status:      store.StatusCompleted,
 		Fingerprint: p.fingerprint,
 		Method:      p.method,
 		Path:        p.path,
@@ -179,7 +181,7 @@ func (c *replayCache) Complete(ctx context.Context, key RecordKey, token LockTok
 }
 
 // Release implements Store.
-func (c *replayCache) Release(ctx context.Context, key RecordKey, token LockToken) error {
+func (c *replayCache) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	err := c.Store.Release(ctx, key, token)
 	c.forget(token)
 	return err
@@ -187,10 +189,10 @@ func (c *replayCache) Release(ctx context.Context, key RecordKey, token LockToke
 
 // RenewLocks implements LockRenewer: the locks lost are forgotten, as by
 // Renew.
-func (c *replayCache) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+func (c *replayCache) RenewLocks(ctx context.Context, locks []store.HeldLock) []error {
 	errs := renewLocks(ctx, c.Store, locks)
 	for i, err := range errs {
-		if errors.Is(err, ErrLockLost) {
+		if errors.Is(err, store.ErrLockLost) {
 			c.forget(locks[i].Token)
 		}
 	}
@@ -199,9 +201,9 @@ func (c *replayCache) RenewLocks(ctx context.Context, locks []HeldLock) []error 
 
 // Renew implements Store: a lock lost is forgotten, since no completion
 // under it will come.
-func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (c *replayCache) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	err := c.Store.Renew(ctx, key, token)
-	if errors.Is(err, ErrLockLost) {
+	if errors.Is(err, store.ErrLockLost) {
 		c.forget(token)
 	}
 	return err
@@ -209,7 +211,7 @@ func (c *replayCache) Renew(ctx context.Context, key RecordKey, token LockToken)
 
 // get returns a copy of the live entry of key, most recently used from
 // now on, with its lifetime left, or nil.
-func (c *replayCache) get(key RecordKey, now time.Time) *Record {
+func (c *replayCache) get(key store.RecordKey, now time.Time) *store.Record {
 	c.mu.Lock()
 	e := c.entries[key]
 	if e == nil {
@@ -235,9 +237,9 @@ func (c *replayCache) get(key RecordKey, now time.Time) *Record {
 // replayable and not too large, evicting the least recently used entries
 // to make room. With given, rec's response is one that Complete was
 // given, which the entry shares (cachedResponse).
-func (c *replayCache) put(key RecordKey, rec *Record, deadline, now time.Time, given bool) {
+func (c *replayCache) put(key store.RecordKey, rec *store.Record, deadline, now time.Time, given bool) {
 	resp := rec.Response
-	if rec.Status != StatusCompleted || resp == nil || !resp.Replayable || !now.Before(deadline) {
+	if rec.Status != store.StatusCompleted || resp == nil || !resp.Replayable || !now.Before(deadline) {
 		return
 	}
 	size := cacheEntryOverhead + int64(len(key.Key)+len(rec.Method)+len(rec.Path)+len(resp.Body))
@@ -292,7 +294,7 @@ func (c *replayCache) pushFront(e *cacheEntry) {
 const cacheSweepInterval = time.Minute
 
 // remember notes the record that req created, until it is completed.
-func (c *replayCache) remember(req AcquireRequest, now time.Time) {
+func (c *replayCache) remember(req store.AcquireRequest, now time.Time) {
 	p := pendingRecord{
 		key:         req.Key,
 		fingerprint: req.Fingerprint,
@@ -317,7 +319,7 @@ func (c *replayCache) remember(req AcquireRequest, now time.Time) {
 
 // sending notes that an attempt to complete the record of token is sent
 // at now, unless an earlier one was.
-func (c *replayCache) sending(token LockToken, now time.Time) {
+func (c *replayCache) sending(token store.LockToken, now time.Time) {
 	c.pmu.Lock()
 	defer c.pmu.Unlock()
 	if p, ok := c.pending[token]; ok && p.completing.IsZero() {
@@ -327,7 +329,7 @@ func (c *replayCache) sending(token LockToken, now time.Time) {
 }
 
 // forget drops and returns what remember noted for token.
-func (c *replayCache) forget(token LockToken) (pendingRecord, bool) {
+func (c *replayCache) forget(token store.LockToken) (pendingRecord, bool) {
 	c.pmu.Lock()
 	defer c.pmu.Unlock()
 	p, ok := c.pending[token]
@@ -337,12 +339,13 @@ func (c *replayCache) forget(token LockToken) (pendingRecord, bool) {
 	return p, ok
 }
 
-// cachedResponse is resp as the cache keeps it: its body (keptBody) and
-// headers are shared, not copied, since the caller of Complete gives
-// them up and nothing changes them once stored (Store.Complete).
-func cachedResponse(resp *Response) *Response {
+// cachedResponse is resp as the cache keeps it: its body
+// (store.KeptBody) and headers are shared, not copied, since the caller
+// of Complete gives them up and nothing changes them once stored
+// (Store.Complete).
+func cachedResponse(resp *store.Response) *store.Response {
 	c := *resp
-	c.Body = keptBody(resp.Body)
+	c.Body = store.KeptBody(resp.Body)
 	if c.Body == nil {
 		c.Body = []byte{}
 	}
@@ -352,11 +355,12 @@ func cachedResponse(resp *Response) *Response {
 	return &c
 }
 
-// Unwrap returns the store that c caches (storeAs).
-func (c *replayCache) Unwrap() Store { return c.Store }
+// Unwrap returns the store that c caches (store.As).
+func (c *replayCache) Unwrap() store.Store { return c.Store }
 
 // Interface guards
 var (
-	_ Store       = (*replayCache)(nil)
-	_ LockRenewer = (*replayCache)(nil)
+	_ store.Store       = (*replayCache)(nil)
+	_ store.LockRenewer = (*replayCache)(nil)
+	_ store.Wrapper     = (*replayCache)(nil)
 )

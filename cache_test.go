@@ -13,17 +13,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // cacheCountingStore counts the Acquires that reach the store under a cache.
 type cacheCountingStore struct {
-	Store
+	store.Store
 	acquires atomic.Int64
 }
 
-func (s *cacheCountingStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s *cacheCountingStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	s.acquires.Add(1)
 	return s.Store.Acquire(ctx, req)
 }
@@ -40,15 +41,15 @@ func newCacheTest(capacity int64) (*replayCache, *cacheCountingStore, *memClock,
 }
 
 // tenantRequest is memTestRequest for the tenant with credential cred.
-func cacheTenantRequest(cred, key string) AcquireRequest {
+func cacheTenantRequest(cred, key string) store.AcquireRequest {
 	req := memTestRequest(key)
 	req.Key.CredentialHash = sha256.Sum256([]byte(cred))
 	return req
 }
 
 // testResponse is a replayable response whose body names what it answers.
-func cacheResponse(body string) *Response {
-	return &Response{
+func cacheResponse(body string) *store.Response {
+	return &store.Response{
 		Status:     http.StatusCreated,
 		Header:     http.Header{"Content-Type": {"application/json"}, "X-Multi": {"one", "two"}},
 		Body:       []byte(body),
@@ -58,22 +59,22 @@ func cacheResponse(body string) *Response {
 }
 
 // execute creates and completes the record of req through s.
-func cacheExecute(t *testing.T, s Store, req AcquireRequest, resp *Response) {
+func cacheExecute(t *testing.T, s store.Store, req store.AcquireRequest, resp *store.Response) {
 	t.Helper()
-	mustAcquire(t, s, req, OutcomeCreated)
+	mustAcquire(t, s, req, store.OutcomeCreated)
 	if err := s.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
 		t.Fatalf("Complete(%q): %v", req.Key.Key, err)
 	}
 }
 
-func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, req AcquireRequest, body string) {
+func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, req store.AcquireRequest, body string) {
 	t.Helper()
 	before := inner.acquires.Load()
-	rec := mustAcquire(t, c, retryRequest(req), OutcomeExisting)
+	rec := mustAcquire(t, c, retryRequest(req), store.OutcomeExisting)
 	if n := inner.acquires.Load() - before; n != 0 {
 		t.Errorf("replay of %q reached the store %d times, want 0", req.Key.Key, n)
 	}
-	if rec.Status != StatusCompleted || rec.Response == nil || string(rec.Response.Body) != body {
+	if rec.Status != store.StatusCompleted || rec.Response == nil || string(rec.Response.Body) != body {
 		t.Fatalf("replay of %q = %+v, want the completed record with body %q", req.Key.Key, rec, body)
 	}
 	if rec.Fingerprint != req.Fingerprint || rec.Method != req.Method || rec.Path != req.Path {
@@ -85,7 +86,7 @@ func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, re
 	}
 }
 
-func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req AcquireRequest, want Outcome) *Record {
+func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req store.AcquireRequest, want store.Outcome) *store.Record {
 	t.Helper()
 	before := inner.acquires.Load()
 	rec := mustAcquire(t, c, req, want)
@@ -107,7 +108,7 @@ func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	resp := cacheResponse("second")
 	req2 := memTestRequest("key-share")
 	cacheExecute(t, c, req2, resp)
-	rec := mustAcquire(t, c, retryRequest(req2), OutcomeExisting)
+	rec := mustAcquire(t, c, retryRequest(req2), store.OutcomeExisting)
 	if string(rec.Response.Body) != "second" || rec.Response.Header.Get("Content-Type") != "application/json" {
 		t.Errorf("cached response %q %v, want the one completed", rec.Response.Body, rec.Response.Header)
 	}
@@ -126,7 +127,7 @@ func TestReplayCacheWithoutLearnOnComplete(t *testing.T) {
 	if len(c.pending) != 0 || len(c.entries) != 0 {
 		t.Fatalf("a first execution left %d pending records and %d entries", len(c.pending), len(c.entries))
 	}
-	wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+	wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 	wantCacheReplay(t, c, inner, req, "first")
 }
 
@@ -136,7 +137,7 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 	// Another instance (straight to the store) executed the request.
 	cacheExecute(t, inner.Store, req, cacheResponse("elsewhere"))
 
-	rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+	rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 	if string(rec.Response.Body) != "elsewhere" {
 		t.Fatalf("first replay = %q", rec.Response.Body)
 	}
@@ -146,7 +147,7 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 	// with the record that tells the handler it is a mismatch.
 	other := retryRequest(req)
 	other.Fingerprint = [32]byte{9}
-	got := mustAcquire(t, c, other, OutcomeExisting)
+	got := mustAcquire(t, c, other, store.OutcomeExisting)
 	if got.Fingerprint != req.Fingerprint {
 		t.Errorf("mismatching request got fingerprint %x, want the original's", got.Fingerprint)
 	}
@@ -155,12 +156,12 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
 	req := memTestRequest("key-in-progress")
-	mustAcquire(t, c, req, OutcomeCreated)
+	mustAcquire(t, c, req, store.OutcomeCreated)
 
 	// Retries while it runs all reach the store, and see it in progress.
 	for range 3 {
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
-		if rec.Status != StatusInProgress {
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		if rec.Status != store.StatusInProgress {
 			t.Fatalf("retry saw %s, want in_progress", rec.Status)
 		}
 	}
@@ -173,9 +174,9 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 
 	// In progress as seen through another instance: not cached either.
 	req2 := memTestRequest("key-in-progress-elsewhere")
-	mustAcquire(t, inner.Store, req2, OutcomeCreated)
+	mustAcquire(t, inner.Store, req2, store.OutcomeCreated)
 	for range 2 {
-		wantCacheMiss(t, c, inner, retryRequest(req2), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req2), store.OutcomeExisting)
 	}
 	if n := len(c.entries); n != 1 {
 		t.Errorf("cache holds %d entries, want 1 (the completed one)", n)
@@ -194,7 +195,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
 		// Expired: the store treats it as absent and the request executes.
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, clocks skewed", func(t *testing.T) {
@@ -205,7 +206,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		// 10s late on the cache's clock. The entry must not outlive the
 		// record on the store's clock.
 		localClock.advance(10 * time.Second)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 		wantCacheReplay(t, c, inner, req, "old")
 
 		// Served until the record's expiry, as the store measures the
@@ -215,7 +216,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, store clock ahead", func(t *testing.T) {
@@ -226,13 +227,13 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		storeClock.advance(time.Hour)
 		req := memTestRequest("key-ahead")
 		cacheExecute(t, inner.Store, req, cacheResponse("old"))
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 		localClock.advance(memTestRetention - time.Millisecond)
 		storeClock.advance(memTestRetention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Complete, store clock ahead", func(t *testing.T) {
@@ -247,7 +248,7 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		wantCacheReplay(t, c, inner, req, "old")
 		localClock.advance(time.Millisecond)
 		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
 	})
 }
 
@@ -259,7 +260,7 @@ func TestReplayCacheTenantsAreIsolated(t *testing.T) {
 
 	// Tenant B, same key and same request: its own execution.
 	b := cacheTenantRequest("Bearer tenant-b", "shared-key")
-	wantCacheMiss(t, c, inner, b, OutcomeCreated)
+	wantCacheMiss(t, c, inner, b, store.OutcomeCreated)
 	if err := c.Complete(context.Background(), b.Key, b.Token, cacheResponse("tenant b's"), b.Retention); err != nil {
 		t.Fatal(err)
 	}
@@ -271,52 +272,52 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 	t.Run("not replayable", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
 		req := memTestRequest("key-too-large")
-		cacheExecute(t, c, req, &Response{Status: 200, Header: http.Header{}, Replayable: false, BodySize: 1 << 30})
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		cacheExecute(t, c, req, &store.Response{Status: 200, Header: http.Header{}, Replayable: false, BodySize: 1 << 30})
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 		if rec.Response.Replayable {
 			t.Fatal("store says replayable")
 		}
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 	})
 	t.Run("larger than a share of the cache", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(64 << 10)
 		req := memTestRequest("key-big")
 		cacheExecute(t, c, req, cacheResponse(strings.Repeat("x", 8<<10)))
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 	})
 	t.Run("released", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
 		req := memTestRequest("key-released")
-		mustAcquire(t, c, req, OutcomeCreated)
+		mustAcquire(t, c, req, store.OutcomeCreated)
 		if err := c.Release(context.Background(), req.Key, req.Token); err != nil {
 			t.Fatal(err)
 		}
 		if len(c.pending) != 0 {
 			t.Errorf("%d pending records after release", len(c.pending))
 		}
-		wantCacheMiss(t, c, inner, retryRequest(req), OutcomeCreated)
+		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
 	})
 	t.Run("lock lost", func(t *testing.T) {
 		c, inner, storeClock, _ := newCacheTest(1 << 20)
 		req := memTestRequest("key-lost")
-		mustAcquire(t, c, req, OutcomeCreated)
+		mustAcquire(t, c, req, store.OutcomeCreated)
 		// A retry takes the stale lock over, through another instance,
 		// and completes it with its own response.
 		storeClock.advance(memTestLockTimeout + time.Second)
 		other := retryRequest(req)
-		mustAcquire(t, inner.Store, other, OutcomeTakenOver)
+		mustAcquire(t, inner.Store, other, store.OutcomeTakenOver)
 		if err := inner.Store.Complete(context.Background(), other.Key, other.Token, cacheResponse("taker's"), other.Retention); err != nil {
 			t.Fatal(err)
 		}
 		err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse("loser's"), req.Retention)
-		if !errors.Is(err, ErrLockLost) {
+		if !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("Complete = %v, want ErrLockLost", err)
 		}
 		if len(c.pending) != 0 || len(c.entries) != 0 {
 			t.Errorf("after a lost lock: %d pending, %d entries", len(c.pending), len(c.entries))
 		}
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
 		if string(rec.Response.Body) != "taker's" {
 			t.Errorf("replay = %q, want the taker's", rec.Response.Body)
 		}
@@ -330,7 +331,7 @@ func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 		int64(len("Content-Type")+len("application/json")+16+len("X-Multi")+len("one")+len("two")+32)
 	c, inner, _, _ := newCacheTest(3*entry + entry/2)
 	c.maxEntry = entry
-	reqs := make([]AcquireRequest, 4)
+	reqs := make([]store.AcquireRequest, 4)
 	for i := range reqs {
 		reqs[i] = memTestRequest(fmt.Sprintf("key-lru-%d", i))
 	}
@@ -342,7 +343,7 @@ func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	wantCacheReplay(t, c, inner, reqs[0], body)
 	wantCacheReplay(t, c, inner, reqs[2], body)
 	wantCacheReplay(t, c, inner, reqs[3], body)
-	wantCacheMiss(t, c, inner, retryRequest(reqs[1]), OutcomeExisting)
+	wantCacheMiss(t, c, inner, retryRequest(reqs[1]), store.OutcomeExisting)
 	if c.size > c.capacity {
 		t.Errorf("size %d over capacity %d", c.size, c.capacity)
 	}
@@ -372,9 +373,9 @@ func TestReplayCacheBoundedByBytes(t *testing.T) {
 
 func TestReplayCacheSweepsAbandonedPending(t *testing.T) {
 	c, _, _, localClock := newCacheTest(1 << 20)
-	mustAcquire(t, c, memTestRequest("key-abandoned"), OutcomeCreated)
+	mustAcquire(t, c, memTestRequest("key-abandoned"), store.OutcomeCreated)
 	localClock.advance(memTestRetention + time.Minute)
-	mustAcquire(t, c, memTestRequest("key-later"), OutcomeCreated)
+	mustAcquire(t, c, memTestRequest("key-later"), store.OutcomeCreated)
 	if len(c.pending) != 1 {
 		t.Errorf("%d pending records, want 1: the abandoned one is past its expiry", len(c.pending))
 	}
@@ -403,7 +404,7 @@ func TestReplayCacheConcurrent(t *testing.T) {
 					return
 				}
 				switch res.Outcome {
-				case OutcomeCreated:
+				case store.OutcomeCreated:
 					if rng.IntN(5) == 0 {
 						if err := c.Release(context.Background(), req.Key, req.Token); err != nil {
 							t.Error(err)
@@ -413,9 +414,9 @@ func TestReplayCacheConcurrent(t *testing.T) {
 					if err := c.Complete(context.Background(), req.Key, req.Token, cacheResponse(want), req.Retention); err != nil {
 						t.Error(err)
 					}
-				case OutcomeExisting:
+				case store.OutcomeExisting:
 					rec := res.Record
-					if rec.Status == StatusCompleted && string(rec.Response.Body) != want {
+					if rec.Status == store.StatusCompleted && string(rec.Response.Body) != want {
 						t.Errorf("%s got %q", want, rec.Response.Body)
 						return
 					}
@@ -521,7 +522,7 @@ func TestReplayCacheCaddyfile(t *testing.T) {
 }
 
 // cacheTestStore is a store module of its own, for the provisioning test.
-type cacheTestStore struct{ Store }
+type cacheTestStore struct{ store.Store }
 
 func (cacheTestStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{

@@ -33,6 +33,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 
 	"github.com/caddy-idempotency/idempotency/bench/load"
@@ -133,7 +134,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 	ctx := context.Background()
 
 	// The response the upstream gives, as the handler would store it.
-	resp := &Response{
+	resp := &store.Response{
 		Status: http.StatusOK,
 		Header: http.Header{
 			"Content-Type":   {"application/json"},
@@ -144,9 +145,9 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		Replayable: true,
 		BodySize:   load.ResponseBodySize,
 	}
-	request := func(key string) AcquireRequest {
-		return AcquireRequest{
-			Key:         RecordKey{CredentialHash: credHash, Key: key},
+	request := func(key string) store.AcquireRequest {
+		return store.AcquireRequest{
+			Key:         store.RecordKey{CredentialHash: credHash, Key: key},
 			Token:       newLockToken(),
 			Fingerprint: sha256.Sum256([]byte(key)),
 			Method:      http.MethodPost,
@@ -178,7 +179,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 				if err != nil {
 					return err
 				}
-				if acq.Outcome != OutcomeCreated {
+				if acq.Outcome != store.OutcomeCreated {
 					return fmt.Errorf("acquire: outcome %d, want created", acq.Outcome)
 				}
 				return complete(ctx, req.Key, req.Token, resp, req.Retention)
@@ -189,7 +190,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		// replay cannot do without.
 		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
 			return func(ctx context.Context, seq int64) error {
-				return lookupOnce(ctx, s, RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)})
+				return lookupOnce(ctx, s, store.RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)})
 			}, nil
 		})
 	case "lookup_batched":
@@ -198,7 +199,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 		lookups := lookupBatcher(s)
 		res, err = load.Run(ctx, cfg, func(int) (load.Op, error) {
 			return func(ctx context.Context, seq int64) error {
-				key := RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)}
+				key := store.RecordKey{CredentialHash: credHash, Key: load.Key(run, seq%keys)}
 				found, err := lookups.do(ctx, key)
 				if err == nil && !found {
 					err = fmt.Errorf("lookup %s: no completed record", key.Key)
@@ -214,7 +215,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 				if err != nil {
 					return err
 				}
-				if acq.Outcome != OutcomeExisting || acq.Record.Status != StatusCompleted {
+				if acq.Outcome != store.OutcomeExisting || acq.Record.Status != store.StatusCompleted {
 					return fmt.Errorf("acquire: outcome %d, want a completed record", acq.Outcome)
 				}
 				return nil
@@ -261,7 +262,7 @@ func benchCeiling(t *testing.T, mode string, env func(name, def string) string) 
 
 // lookupOnce runs the store's lookup statement for key and scans what a
 // replay needs.
-func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
+func lookupOnce(ctx context.Context, s *PostgresStore, key store.RecordKey) error {
 	var (
 		status, method, path  string
 		fingerprint           []byte
@@ -284,36 +285,36 @@ func lookupOnce(ctx context.Context, s *PostgresStore, key RecordKey) error {
 
 // acquireAlone is Acquire in a statement of its own, as a store that
 // does not batch would send it.
-func (s *PostgresStore) acquireAlone(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
-	c := &batchCall[queuedAcquire, AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}}
-	s.sendAcquires(ctx, []*batchCall[queuedAcquire, AcquireResult]{c})
+func (s *PostgresStore) acquireAlone(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
+	c := &batchCall[queuedAcquire, store.AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}}
+	s.sendAcquires(ctx, []*batchCall[queuedAcquire, store.AcquireResult]{c})
 	return c.res, c.err
 }
 
 // completeAlone is Complete in a statement of its own.
-func (s *PostgresStore) completeAlone(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (s *PostgresStore) completeAlone(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	c := &batchCall[ownedRequest, bool]{ctx: ctx, req: ownedRequest{key: key, token: token, resp: &completion{
 		status: int32(resp.Status), headers: encodeHeaders(resp.Header), body: resp.Body,
 		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
 	}}}
 	s.sendOwned(ctx, opComplete, s.sql.complete, []*batchCall[ownedRequest, bool]{c})
 	if c.err == nil && !c.res {
-		return ErrLockLost
+		return store.ErrLockLost
 	}
 	return c.err
 }
 
 // lookupBatcher looks completed records up in batches: the lookup
 // statement over arrays, scanning what a replay needs.
-func lookupBatcher(s *PostgresStore) *batcher[RecordKey, bool] {
+func lookupBatcher(s *PostgresStore) *batcher[store.RecordKey, bool] {
 	sql := fmt.Sprintf(`SELECT i.n, %s
 FROM unnest($1::bytea[], $2::text[]) WITH ORDINALITY AS i(in_hash, in_key, n)
 CROSS JOIN LATERAL (SELECT * FROM %s WHERE credential_hash = i.in_hash AND key = i.in_key OFFSET 0) AS r
 WHERE status = 'completed' AND expires_at > now()`, recordColumns, s.table.quoted())
-	return &batcher[RecordKey, bool]{
+	return &batcher[store.RecordKey, bool]{
 		lanes: batchLanes,
-		key:   func(k RecordKey) RecordKey { return k },
-		send: func(ctx context.Context, calls []*batchCall[RecordKey, bool]) {
+		key:   func(k store.RecordKey) store.RecordKey { return k },
+		send: func(ctx context.Context, calls []*batchCall[store.RecordKey, bool]) {
 			var (
 				hashes [][]byte
 				keys   []string
@@ -357,7 +358,7 @@ WHERE status = 'completed' AND expires_at > now()`, recordColumns, s.table.quote
 
 // benchPreload inserts n completed records with generate_series, in
 // batches, live (expiring in a day) or already expired.
-func benchPreload(ctx context.Context, s *PostgresStore, n int, expired bool, resp *Response) error {
+func benchPreload(ctx context.Context, s *PostgresStore, n int, expired bool, resp *store.Response) error {
 	headers, err := json.Marshal(resp.Header)
 	if err != nil {
 		return err
@@ -403,7 +404,7 @@ FROM generate_series($3::int, $4::int) AS i`, s.table.quoted(), nonce, expires),
 // statement, as pgx does). vars.txt holds the constant variables, one
 // -D argument a line. A new key per transaction is a random number, so
 // the keys of lookup.sql are the numbers 1..keys, completed here.
-func writePgbenchScripts(ctx context.Context, s *PostgresStore, dir string, credHash [32]byte, keys int, resp *Response) error {
+func writePgbenchScripts(ctx context.Context, s *PostgresStore, dir string, credHash [32]byte, keys int, resp *store.Response) error {
 	hexa := func(b []byte) string { return `\x` + hex.EncodeToString(b) }
 	token := newLockToken()
 	fp := sha256.Sum256([]byte("pgbench"))
@@ -461,14 +462,14 @@ func writePgbenchScripts(ctx context.Context, s *PostgresStore, dir string, cred
 		}
 	}
 	for i := 1; i <= keys; i++ {
-		req := AcquireRequest{
-			Key: RecordKey{CredentialHash: credHash, Key: strconv.Itoa(i)}, Token: token, Fingerprint: fp,
+		req := store.AcquireRequest{
+			Key: store.RecordKey{CredentialHash: credHash, Key: strconv.Itoa(i)}, Token: token, Fingerprint: fp,
 			Method: http.MethodPost, Path: "/v1/charges", LockTimeout: defaultLockTimeout, Retention: defaultRetention,
 		}
 		if _, err := s.Acquire(ctx, req); err != nil {
 			return err
 		}
-		if err := s.Complete(ctx, req.Key, token, resp, defaultRetention); err != nil && !errors.Is(err, ErrLockLost) {
+		if err := s.Complete(ctx, req.Key, token, resp, defaultRetention); err != nil && !errors.Is(err, store.ErrLockLost) {
 			return err
 		}
 	}

@@ -20,6 +20,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -448,20 +449,20 @@ func (db *cliDB) explain(err error) error {
 
 // filter selects the records of t, as the admin API selects them: by
 // the same implementation (inspect.go), the same rule judging a lease.
-func (db *cliDB) filter(t cliTarget) RecordFilter {
+func (db *cliDB) filter(t cliTarget) store.RecordFilter {
 	lockTimeout := defaultLockTimeout
 	if db.config != nil {
 		lockTimeout = db.config.lockTimeout
 	}
-	return RecordFilter{Key: t.key, CredentialPrefixes: [][]byte{t.prefix}, Limit: cliListLimit, LockTimeout: lockTimeout}
+	return store.RecordFilter{Key: t.key, CredentialPrefixes: [][]byte{t.prefix}, Limit: cliListLimit, LockTimeout: lockTimeout}
 }
 
 // printRecord shows ir as inspect does, its ages by the database's clock.
-func printRecord(w io.Writer, ir InspectedRecord) {
+func printRecord(w io.Writer, ir store.InspectedRecord) {
 	ago := func(t time.Time) string { return ir.Now.Sub(t).Round(time.Second).String() }
 	status := string(ir.Record.Status)
-	if ir.Record.Status == StatusInProgress {
-		status += ", " + ir.lockState()
+	if ir.Record.Status == store.StatusInProgress {
+		status += ", " + lockState(ir)
 	}
 	if ir.Expired {
 		status += " (expired: treated as absent, awaiting pruning)"
@@ -499,7 +500,7 @@ func printRecord(w io.Writer, ir InspectedRecord) {
 func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Writer) (int, error) {
 	rec, err := releaseRecord(ctx, db.store, db.filter(t), force)
 	switch {
-	case errors.Is(err, ErrNoRecord):
+	case errors.Is(err, store.ErrNoRecord):
 		return exitNotFound, t.notFound(db.table)
 	case errors.Is(err, errAmbiguous):
 		return exitError, fmt.Errorf("credential id %s matches several credentials with key %q; nothing deleted: pass a longer --credential-id (see inspect) or --credential",
@@ -509,15 +510,15 @@ func (db *cliDB) release(ctx context.Context, t cliTarget, force bool, out io.Wr
 			t.key, rec.Record.Status)
 	case errors.Is(err, errLeaseLive):
 		return exitError, fmt.Errorf("the record of key %q is in progress under a live lease (%s): its request may still be running, and its owner renews the lease while it runs; nothing deleted (--force deletes it: the next request with the key then executes, possibly while the first one still runs, whose response is then not stored)",
-			t.key, rec.lockState())
+			t.key, lockState(rec))
 	case errors.Is(err, errChanged):
 		return exitError, fmt.Errorf("the record of key %q changed meanwhile (completed, renewed or released); nothing deleted: inspect it again", t.key)
 	case err != nil:
 		return exitError, db.explain(err)
 	}
 	id := credentialID(rec.Key.CredentialHash)
-	if rec.Record.Status == StatusInProgress {
-		fmt.Fprintf(out, "%s: key %q for credential id %s was in progress, %s\n", db.table, t.key, id, rec.lockState())
+	if rec.Record.Status == store.StatusInProgress {
+		fmt.Fprintf(out, "%s: key %q for credential id %s was in progress, %s\n", db.table, t.key, id, lockState(rec))
 	}
 	fmt.Fprintf(out, "%s: released key %q for credential id %s: deleted its %s record; the next request with this key executes\n",
 		db.table, t.key, id, rec.Record.Status)

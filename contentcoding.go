@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // replayCoding decides how a stored response may be replayed to r, whose
@@ -19,7 +21,7 @@ import (
 // is replayed as is, whatever the request says: RFC 9110 lets a server
 // ignore a refusal of identity, and refusing the stored result would help
 // no one.
-func replayCoding(r *http.Request, resp *Response) (gunzip bool, prob *problem) {
+func replayCoding(r *http.Request, resp *store.Response) (gunzip bool, prob *problem) {
 	coding := strings.Join(resp.Header.Values("Content-Encoding"), ",")
 	if coding == "" || acceptsEncoding(r.Header, coding) {
 		return false, nil

@@ -20,6 +20,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/jackc/pgx/v5"
 )
@@ -259,9 +260,9 @@ func (h *Handler) provisionCredentials() error {
 		h.credKey.hasher.Store(newCredentialHasher(secret))
 		return nil
 	}
-	src, ok := storeAs[SecretKeeper](h.store)
+	src, ok := store.As[store.SecretKeeper](h.store)
 	if !ok {
-		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", innermost(h.store))
+		return fmt.Errorf("credential_secret is required with store %T, which keeps no default secret", store.Innermost(h.store))
 	}
 	src.UseCredentialSecret()
 	// The secret is read from the store, whose failure to give it (a
@@ -304,7 +305,7 @@ func authChallenge(credHeader string) string {
 //
 // A key_json key is in the body: it is left "", for step 3 to read
 // (bodyKey). A scope is hashed in place of a credential (scopeHash).
-func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk RecordKey, p *problem, err error) {
+func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk store.RecordKey, p *problem, err error) {
 	if h.keyPointer != nil {
 		return h.identifyCaller(r, repl, "")
 	}
@@ -329,14 +330,14 @@ func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, r
 
 // identifyCaller does step 2 for a request with the key: it reads the
 // credential and hashes it, or hashes the scope.
-func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key string) (string, RecordKey, *problem, error) {
-	var rk RecordKey
+func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key string) (string, store.RecordKey, *problem, error) {
+	var rk store.RecordKey
 	if h.Scope != "" {
 		hasher, err := h.credKey.get(r.Context())
 		if err != nil {
 			return key, rk, nil, err
 		}
-		return key, RecordKey{CredentialHash: h.scopeSum(hasher), Key: key}, nil, nil
+		return key, store.RecordKey{CredentialHash: h.scopeSum(hasher), Key: key}, nil, nil
 	}
 	// A header is read by its fields, also through a placeholder, which
 	// would join fields that disagree into a scope of their own.
@@ -354,7 +355,7 @@ func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key stri
 	if err != nil {
 		return key, rk, nil, err
 	}
-	return key, RecordKey{CredentialHash: hasher.hash(credential), Key: key}, nil, nil
+	return key, store.RecordKey{CredentialHash: hasher.hash(credential), Key: key}, nil, nil
 }
 
 // onlyValue returns the value of a header's fields, if they agree: two

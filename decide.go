@@ -5,6 +5,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -16,7 +17,7 @@ import (
 
 // existing answers a request whose key already has a record that this
 // request does not own.
-func (h *Handler) existing(q *request, rec *Record) error {
+func (h *Handler) existing(q *request, rec *store.Record) error {
 	d := h.decide(q, rec)
 	if h.Shadow {
 		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
@@ -57,7 +58,7 @@ type decision struct {
 
 // decide is what q gets for the record rec of its key, which it does not
 // own.
-func (h *Handler) decide(q *request, rec *Record) decision {
+func (h *Handler) decide(q *request, rec *store.Record) decision {
 	// An expired record is absent. A store never answers one, but one
 	// that raced the record's re-execution would: the request then gets
 	// the answer of the record in progress, never one of the expired
@@ -70,7 +71,7 @@ func (h *Handler) decide(q *request, rec *Record) decision {
 		return decided(resultMismatch, h.mismatchProblem(), 0, "idempotency.mismatch",
 			zap.String("original_method", rec.Method), zap.String("original_path", rec.Path))
 	}
-	if rec.Status != StatusCompleted || rec.Response == nil {
+	if rec.Status != store.StatusCompleted || rec.Response == nil {
 		return decided(resultInProgress, probInProgress, h.retrySecs, "idempotency.in_progress",
 			zap.Float64("lock_age_seconds", time.Since(rec.LockedAt).Seconds()))
 	}
@@ -125,7 +126,7 @@ func (d *decision) write(c *zapcore.CheckedEntry, q *request, lead ...zap.Field)
 // shared with other replays (the replay cache). Each header gets a full
 // slice expression, so that a handler appending to one reallocates
 // instead of writing over its neighbour.
-func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *Response, gunzip bool) {
+func (h *Handler) replay(w http.ResponseWriter, r *http.Request, resp *store.Response, gunzip bool) {
 	hdr := w.Header()
 	delete(hdr, "Server")
 	n := 0

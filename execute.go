@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
@@ -284,7 +285,7 @@ func (h *Handler) storeCall(parent context.Context, timeout time.Duration) (cont
 func (h *Handler) attemptTimeout() time.Duration { return min(storeTimeout, h.renewInterval()/2) }
 
 // renew dates the lock anew, in one bounded round trip.
-func (h *Handler) renew(rk RecordKey, token LockToken) error {
+func (h *Handler) renew(rk store.RecordKey, token store.LockToken) error {
 	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
 	defer cancel()
 	return h.store.Renew(ctx, rk, token)
@@ -310,7 +311,7 @@ func (h *Handler) renew(rk RecordKey, token LockToken) error {
 // (ErrUnstorable) is not retried: the record is completed as not
 // replayable instead, so that a retry is refused, not executed. It
 // reports whether the record holds the response (or that refusal).
-func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) {
+func (h *Handler) complete(q *request, resp *store.Response, ls *lease) (stored bool) {
 	ls.completing()
 	defer ls.stop()
 	var err error
@@ -320,12 +321,12 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 		ctx, cancel := h.storeCall(context.Background(), h.attemptTimeout())
 		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
 		cancel()
-		if errors.Is(err, ErrUnstorable) && !degraded {
+		if errors.Is(err, store.ErrUnstorable) && !degraded {
 			h.logger.Error("idempotency.unstorable_response", q.fields(zap.Int("status", resp.Status), zap.Error(err))...)
-			resp, degraded = &Response{Status: resp.Status, BodySize: resp.BodySize}, true
+			resp, degraded = &store.Response{Status: resp.Status, BodySize: resp.BodySize}, true
 			continue
 		}
-		if err == nil || errors.Is(err, ErrLockLost) || errors.Is(err, ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
+		if err == nil || errors.Is(err, store.ErrLockLost) || errors.Is(err, store.ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
 			break
 		}
 		if !held {
@@ -335,7 +336,7 @@ func (h *Handler) complete(q *request, resp *Response, ls *lease) (stored bool) 
 		time.Sleep(backoff)
 	}
 	switch {
-	case errors.Is(err, ErrLockLost):
+	case errors.Is(err, store.ErrLockLost):
 		h.metrics.lockLost.complete.Inc()
 		h.logger.Error("idempotency.lock_lost", q.fields(zap.String("during", "complete"))...)
 	case err != nil:
@@ -351,7 +352,7 @@ func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
 	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
 	defer cancel()
 	switch err := h.store.Release(ctx, q.rk, q.token); {
-	case errors.Is(err, ErrLockLost):
+	case errors.Is(err, store.ErrLockLost):
 		// Nothing was released: the record is another request's now.
 		h.metrics.lockLost.release.Inc()
 		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "release"))...)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"go.uber.org/zap"
 )
 
@@ -23,23 +24,23 @@ func TestStoreNeverAnswersAnExpiredRecord(t *testing.T) {
 	t.Run("memory", func(t *testing.T) {
 		t.Parallel()
 		s := &MemoryStore{records: newMemoryRecords(1000, time.Now)}
-		testNeverAnswersExpired(t, []Store{s, s})
+		testNeverAnswersExpired(t, []store.Store{s, s})
 	})
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
 		table := freshTable(t)
 		a, b := newTestPostgresStore(t, table, 6), newTestPostgresStore(t, table, 7)
-		testNeverAnswersExpired(t, []Store{a, b})
+		testNeverAnswersExpired(t, []store.Store{a, b})
 	})
 }
 
-func testNeverAnswersExpired(t *testing.T, stores []Store) {
+func testNeverAnswersExpired(t *testing.T, stores []store.Store) {
 	const (
 		keys    = 40
 		retries = 4 // per key and instance
 	)
 	ctx := context.Background()
-	reqs := make([]AcquireRequest, keys)
+	reqs := make([]store.AcquireRequest, keys)
 	expiries := make([]time.Time, keys)
 	for i := range reqs {
 		req := testAcquireRequest("cred", fmt.Sprintf("expiry-key-%03d", i), "body")
@@ -48,13 +49,13 @@ func testNeverAnswersExpired(t *testing.T, stores []Store) {
 		// lease that ran out would be a second execution this test
 		// does not count on.
 		req.LockTimeout, req.Retention = 30*time.Second, 600*time.Millisecond
-		if res, err := stores[0].Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := stores[0].Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		// Timed from before the completion is sent: the record expires
 		// no earlier.
 		expiries[i] = time.Now().Add(req.Retention)
-		if err := stores[0].Complete(ctx, req.Key, req.Token, &Response{Status: 201, Replayable: true}, req.Retention); err != nil {
+		if err := stores[0].Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Replayable: true}, req.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		reqs[i] = req
@@ -89,19 +90,19 @@ func testNeverAnswersExpired(t *testing.T, stores []Store) {
 						}
 						answered.Add(1)
 						switch res.Outcome {
-						case OutcomeCreated, OutcomeTakenOver:
+						case store.OutcomeCreated, store.OutcomeTakenOver:
 							executed.Add(1)
 							now := time.Now()
 							reexecuted.CompareAndSwap(nil, &now)
 							// The new answer, which its retries may
 							// replay.
-							if err := s.Complete(ctx, retry.Key, retry.Token, &Response{Status: 202, Replayable: true}, retry.Retention); err != nil {
+							if err := s.Complete(ctx, retry.Key, retry.Token, &store.Response{Status: 202, Replayable: true}, retry.Retention); err != nil {
 								t.Errorf("complete: %v", err)
 							}
 							return
-						case OutcomeExisting:
+						case store.OutcomeExisting:
 							rec := res.Record
-							if rec.Status != StatusCompleted || rec.Response.Status != 201 {
+							if rec.Status != store.StatusCompleted || rec.Response.Status != 201 {
 								continue
 							}
 							if first := reexecuted.Load(); rec.TTL <= 0 || first != nil && sent.After(*first) {
@@ -126,9 +127,9 @@ func testNeverAnswersExpired(t *testing.T, stores []Store) {
 
 // staleStore answers every live record as it was a moment after its
 // expiry, as a store that lost the race above would.
-type staleStore struct{ Store }
+type staleStore struct{ store.Store }
 
-func (s staleStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s staleStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	res, err := s.Store.Acquire(ctx, req)
 	if res.Record != nil {
 		res.Record.TTL = -time.Millisecond
@@ -188,13 +189,13 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 	s := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, dsn, f), Table: table, MaxConns: 1})
 	c := newReplayCache(s, 1<<20)
 	prime := testAcquireRequest("cred", "prepares-the-statement", "body")
-	mustAcquire(t, c, prime, OutcomeCreated)
-	if err := c.Complete(context.Background(), prime.Key, prime.Token, &Response{Status: 201, Replayable: true}, prime.Retention); err != nil {
+	mustAcquire(t, c, prime, store.OutcomeCreated)
+	if err := c.Complete(context.Background(), prime.Key, prime.Token, &store.Response{Status: 201, Replayable: true}, prime.Retention); err != nil {
 		t.Fatal(err)
 	}
 	req := testAcquireRequest("cred", "lost-completion-reply", "body")
 	req.LockTimeout, req.Retention = 2*time.Second, 3*time.Second
-	mustAcquire(t, c, req, OutcomeCreated)
+	mustAcquire(t, c, req, store.OutcomeCreated)
 
 	ctx, db, done := pgOpen(t, dsn)
 	defer done()
@@ -210,7 +211,7 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 	// The first attempt commits; its reply never comes back.
 	f.Mute()
 	attempt, cancel := context.WithTimeout(context.Background(), time.Second)
-	resp := &Response{Status: 201, Body: []byte("the first answer"), Replayable: true}
+	resp := &store.Response{Status: 201, Body: []byte("the first answer"), Replayable: true}
 	err := c.Complete(attempt, req.Key, req.Token, resp, req.Retention)
 	cancel()
 	f.Unmute()
@@ -232,7 +233,7 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if res.Outcome != OutcomeCreated {
+	if res.Outcome != store.OutcomeCreated {
 		t.Errorf("retry after the record expired: outcome %d, record %+v; want it to execute again", res.Outcome, res.Record)
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -416,11 +417,11 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 			never++
 			example("%s: a 2xx, but the upstream never executed it", k.key)
 		}
-		if last.ok() && r.table[k.key] != string(StatusCompleted) {
+		if last.ok() && r.table[k.key] != string(store.StatusCompleted) {
 			lost++
 			example("%s: the promoted server's record is %q, want completed", k.key, r.table[k.key])
 		}
-		if final[k.key] != string(StatusCompleted) {
+		if final[k.key] != string(store.StatusCompleted) {
 			incomplete++
 			example("%s: the record ended %q, want completed", k.key, final[k.key])
 		}

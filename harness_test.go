@@ -29,6 +29,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -316,7 +317,7 @@ func eachStore(t *testing.T, fn func(t *testing.T, sb storeBackend)) {
 
 // open returns the backend's store itself, on the real clock, as a
 // handler's config would provision it (Postgres on sb.Table).
-func (sb storeBackend) open(t *testing.T) Store {
+func (sb storeBackend) open(t *testing.T) store.Store {
 	t.Helper()
 	if sb.Name == "postgres" {
 		return newTestPostgresStore(t, sb.Table, 4)
@@ -1142,9 +1143,9 @@ func provisionTestStore(t *testing.T, s *PostgresStore) *PostgresStore {
 
 // testAcquireRequest describes a POST of body under key by credential,
 // with a token of its own.
-func testAcquireRequest(credential, key, body string) AcquireRequest {
-	return AcquireRequest{
-		Key:         RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key},
+func testAcquireRequest(credential, key, body string) store.AcquireRequest {
+	return store.AcquireRequest{
+		Key:         store.RecordKey{CredentialHash: sha256.Sum256([]byte(credential)), Key: key},
 		Token:       newLockToken(),
 		Fingerprint: sha256.Sum256([]byte("POST /v1/charges " + body)),
 		Method:      http.MethodPost,
@@ -1156,12 +1157,12 @@ func testAcquireRequest(credential, key, body string) AcquireRequest {
 
 // retryRequest is the same request again, as another attempt that owns
 // nothing (for any store).
-func retryRequest(req AcquireRequest) AcquireRequest {
+func retryRequest(req store.AcquireRequest) store.AcquireRequest {
 	req.Token = newLockToken()
 	return req
 }
 
-func mustAcquirePG(t *testing.T, s *PostgresStore, req AcquireRequest, want Outcome) AcquireResult {
+func mustAcquirePG(t *testing.T, s *PostgresStore, req store.AcquireRequest, want store.Outcome) store.AcquireResult {
 	t.Helper()
 	res, err := s.Acquire(context.Background(), req)
 	if err != nil {
@@ -1170,7 +1171,7 @@ func mustAcquirePG(t *testing.T, s *PostgresStore, req AcquireRequest, want Outc
 	if res.Outcome != want {
 		t.Fatalf("acquire: outcome %d, want %d (record %+v)", res.Outcome, want, res.Record)
 	}
-	if (res.Record != nil) != (want == OutcomeExisting) {
+	if (res.Record != nil) != (want == store.OutcomeExisting) {
 		t.Fatalf("acquire: outcome %d with record %+v", res.Outcome, res.Record)
 	}
 	return res
@@ -1211,9 +1212,9 @@ const (
 	memTestRetention   = 24 * time.Hour
 )
 
-func memTestRequest(key string) AcquireRequest {
-	return AcquireRequest{
-		Key:         RecordKey{CredentialHash: [32]byte{1}, Key: key},
+func memTestRequest(key string) store.AcquireRequest {
+	return store.AcquireRequest{
+		Key:         store.RecordKey{CredentialHash: [32]byte{1}, Key: key},
 		Token:       newLockToken(),
 		Fingerprint: [32]byte{2},
 		Method:      http.MethodPost,
@@ -1223,7 +1224,7 @@ func memTestRequest(key string) AcquireRequest {
 	}
 }
 
-func mustAcquire(t *testing.T, s Store, req AcquireRequest, want Outcome) *Record {
+func mustAcquire(t *testing.T, s store.Store, req store.AcquireRequest, want store.Outcome) *store.Record {
 	t.Helper()
 	res, err := s.Acquire(context.Background(), req)
 	if err != nil {
@@ -1232,7 +1233,7 @@ func mustAcquire(t *testing.T, s Store, req AcquireRequest, want Outcome) *Recor
 	if res.Outcome != want {
 		t.Fatalf("Acquire(%q) outcome = %v, want %v", req.Key.Key, res.Outcome, want)
 	}
-	if (res.Record != nil) != (want == OutcomeExisting) {
+	if (res.Record != nil) != (want == store.OutcomeExisting) {
 		t.Fatalf("Acquire(%q) record = %+v with outcome %v", req.Key.Key, res.Record, res.Outcome)
 	}
 	return res.Record

@@ -16,66 +16,15 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 )
 
-// RecordFilter selects records for an Inspector: those whose credential
-// hash starts with one of CredentialPrefixes (any credential if there
-// are none) and whose key is Key, or starts with KeyPrefix, up to Limit.
-type RecordFilter struct {
-	CredentialPrefixes [][]byte
-	Key                string
-	KeyPrefix          string
-	Limit              int
-	// WithResponse: read the stored headers and body too.
-	WithResponse bool
-	// LockTimeout is the handlers' lock timeout, by which the lease of a
-	// record written before migration 0002 (which has no locked_until)
-	// is judged, as a retry judges it (leaseEndSQL).
-	LockTimeout time.Duration
-}
-
-// Matches reports whether f selects the record of rk.
-func (f RecordFilter) Matches(rk RecordKey) bool {
-	switch {
-	case f.Key != "" && rk.Key != f.Key:
-		return false
-	case f.KeyPrefix != "" && !strings.HasPrefix(rk.Key, f.KeyPrefix):
-		return false
-	case len(f.CredentialPrefixes) == 0:
-		return true
-	}
-	return slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool {
-		return bytes.HasPrefix(rk.CredentialHash[:], p)
-	})
-}
-
-// InspectedRecord is a record as an operator sees it, as an Inspector
-// gives it. Record.Response is set only when the filter asked for it
-// (WithResponse).
-type InspectedRecord struct {
-	Key     RecordKey
-	Record  Record
-	Expired bool
-	// LeaseEnded: in progress, and its owner is gone (leaseEndSQL).
-	LeaseEnded bool
-	// LeaseEnds is when the lease of a record in progress ends by that
-	// rule: Record.LockedUntil, or later after an outage, which does not
-	// count against a lease (zero where the store cannot tell: then
-	// LockedUntil).
-	LeaseEnds time.Time
-	// Now is the store's clock when the record was read, for ages.
-	Now time.Time
-	// The stored sizes, which a listing gives without reading the
-	// response; nil where the store cannot tell.
-	StoredBody, StoredHeaders *int
-}
-
 // lockState describes the lock of an in-progress record by the store's
 // clock: its age, and its lease.
-func (ir InspectedRecord) lockState() string {
+func lockState(ir store.InspectedRecord) string {
 	age := ir.Now.Sub(ir.Record.LockedAt).Round(time.Second)
-	until := ir.leaseEnd()
+	until := leaseEnd(ir)
 	switch {
 	case ir.Record.LockedUntil.IsZero() && ir.LeaseEnded:
 		return fmt.Sprintf("locked %s ago, no lease recorded (written before migration 0002), ended by lock_timeout", age)
@@ -88,7 +37,7 @@ func (ir InspectedRecord) lockState() string {
 }
 
 // leaseEnd is when the lease of ir's record ends (LeaseEnds).
-func (ir InspectedRecord) leaseEnd() time.Time {
+func leaseEnd(ir store.InspectedRecord) time.Time {
 	if ir.LeaseEnds.IsZero() {
 		return ir.Record.LockedUntil
 	}
@@ -118,27 +67,27 @@ var (
 // the deletion checks it again, so a renewal that comes first keeps the
 // record. It returns the record as it was found, and one of the errors
 // above or the store's.
-func releaseRecord(ctx context.Context, store Inspector, f RecordFilter, force bool) (InspectedRecord, error) {
+func releaseRecord(ctx context.Context, st store.Inspector, f store.RecordFilter, force bool) (store.InspectedRecord, error) {
 	f.Limit, f.WithResponse = 2, false
-	recs, err := store.InspectRecords(ctx, f)
+	recs, err := st.InspectRecords(ctx, f)
 	switch {
 	case err != nil:
-		return InspectedRecord{}, err
+		return store.InspectedRecord{}, err
 	case len(recs) == 0:
-		return InspectedRecord{}, ErrNoRecord
+		return store.InspectedRecord{}, store.ErrNoRecord
 	case len(recs) > 1:
-		return InspectedRecord{}, errAmbiguous
+		return store.InspectedRecord{}, errAmbiguous
 	}
 	rec := recs[0]
 	switch {
 	case force:
-	case rec.Record.Status != StatusInProgress:
+	case rec.Record.Status != store.StatusInProgress:
 		return rec, errCompleted
 	case !rec.LeaseEnded:
 		return rec, errLeaseLive
 	}
-	status, err := store.DeleteRecord(ctx, rec.Key, force, f.LockTimeout)
-	if errors.Is(err, ErrNoRecord) {
+	status, err := st.DeleteRecord(ctx, rec.Key, force, f.LockTimeout)
+	if errors.Is(err, store.ErrNoRecord) {
 		return rec, errChanged
 	}
 	if err != nil {
@@ -168,23 +117,23 @@ func (s *PostgresStore) adminName() (name, backend, table, database string) {
 	return "postgres:" + s.table.String(), "postgres", s.table.String(), describeDSN(s.poolKey.dsn)
 }
 
-func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
+func (m *MemoryStore) InspectRecords(ctx context.Context, f store.RecordFilter) ([]store.InspectedRecord, error) {
 	s := m.records
 	var packed []packedResponse
-	var out []InspectedRecord
+	var out []store.InspectedRecord
 	s.mu.Lock()
 	now := s.now()
 	for rk, rec := range s.m {
 		if !f.Matches(rk) {
 			continue
 		}
-		ir := InspectedRecord{Key: rk, Record: rec.Record, Expired: !now.Before(rec.ExpiresAt), Now: now}
+		ir := store.InspectedRecord{Key: rk, Record: rec.Record, Expired: !now.Before(rec.ExpiresAt), Now: now}
 		ir.Record.TTL = rec.ExpiresAt.Sub(now)
-		ir.LeaseEnded = rec.Status == StatusInProgress && rec.leaseEnded(now)
-		if rec.Status == StatusInProgress {
+		ir.LeaseEnded = rec.Status == store.StatusInProgress && rec.leaseEnded(now)
+		if rec.Status == store.StatusInProgress {
 			ir.LeaseEnds = rec.LockedUntil
 		}
-		if rec.Status == StatusCompleted {
+		if rec.Status == store.StatusCompleted {
 			body, headers := len(rec.response.body), len(rec.response.headers)
 			if !rec.response.replayable {
 				body = 0
@@ -210,12 +159,12 @@ func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]Ins
 	if f.Limit > 0 && len(idx) > f.Limit {
 		idx = idx[:f.Limit]
 	}
-	sorted := make([]InspectedRecord, len(idx))
+	sorted := make([]store.InspectedRecord, len(idx))
 	for i, j := range idx {
 		sorted[i] = out[j]
-		if sorted[i].Record.Status == StatusCompleted {
+		if sorted[i].Record.Status == store.StatusCompleted {
 			p := packed[j]
-			resp := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
+			resp := &store.Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
 			if f.WithResponse {
 				// A copy: a packed response never changes once stored.
 				var err error
@@ -229,13 +178,13 @@ func (m *MemoryStore) InspectRecords(ctx context.Context, f RecordFilter) ([]Ins
 	return sorted, ctx.Err()
 }
 
-func (m *MemoryStore) DeleteRecord(_ context.Context, key RecordKey, force bool, _ time.Duration) (Status, error) {
+func (m *MemoryStore) DeleteRecord(_ context.Context, key store.RecordKey, force bool, _ time.Duration) (store.Status, error) {
 	s := m.records
 	s.mu.Lock()
 	rec, ok := s.m[key]
-	if !ok || (!force && (rec.Status != StatusInProgress || !rec.leaseEnded(s.now()))) {
+	if !ok || (!force && (rec.Status != store.StatusInProgress || !rec.leaseEnded(s.now()))) {
 		s.mu.Unlock()
-		return "", ErrNoRecord
+		return "", store.ErrNoRecord
 	}
 	delete(s.m, key)
 	s.mu.Unlock()
@@ -243,7 +192,7 @@ func (m *MemoryStore) DeleteRecord(_ context.Context, key RecordKey, force bool,
 	return rec.Status, nil
 }
 
-func (s *PostgresStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
+func (s *PostgresStore) InspectRecords(ctx context.Context, f store.RecordFilter) ([]store.InspectedRecord, error) {
 	response := `NULL::bytea, NULL::bytea`
 	if f.WithResponse {
 		response = `COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8')), response_body`
@@ -254,7 +203,7 @@ func (s *PostgresStore) InspectRecords(ctx context.Context, f RecordFilter) ([]I
 	if len(prefixes) == 0 {
 		prefixes = [][]byte{{}}
 	}
-	var out []InspectedRecord
+	var out []store.InspectedRecord
 	for _, p := range prefixes {
 		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
 	expires_at <= now(), lease_ends <= now(), lease_ends, now(),
@@ -278,13 +227,13 @@ LIMIT $5`, p, prefixEnd(p), f.Key, f.KeyPrefix, f.Limit, f.LockTimeout.Microseco
 		out = append(out, recs...)
 	}
 	if len(f.CredentialPrefixes) > 1 {
-		slices.SortFunc(out, func(a, b InspectedRecord) int {
+		slices.SortFunc(out, func(a, b store.InspectedRecord) int {
 			if c := bytes.Compare(a.Key.CredentialHash[:], b.Key.CredentialHash[:]); c != 0 {
 				return c
 			}
 			return strings.Compare(a.Key.Key, b.Key.Key)
 		})
-		out = slices.CompactFunc(out, func(a, b InspectedRecord) bool { return a.Key == b.Key })
+		out = slices.CompactFunc(out, func(a, b store.InspectedRecord) bool { return a.Key == b.Key })
 		if len(out) > f.Limit {
 			out = out[:f.Limit]
 		}
@@ -292,9 +241,9 @@ LIMIT $5`, p, prefixEnd(p), f.Key, f.KeyPrefix, f.Limit, f.LockTimeout.Microseco
 	return out, nil
 }
 
-func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
+func scanInspected(row pgx.CollectableRow) (store.InspectedRecord, error) {
 	var (
-		ir                     InspectedRecord
+		ir                     store.InspectedRecord
 		credHash               []byte
 		status                 string
 		ttl                    int64
@@ -318,7 +267,7 @@ func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 	if leaseEnds != nil {
 		ir.LeaseEnds = leaseEnds.UTC()
 	}
-	ir.Record.Status = Status(status)
+	ir.Record.Status = store.Status(status)
 	ir.Record.CreatedAt, ir.Record.ExpiresAt, ir.Now = ir.Record.CreatedAt.UTC(), ir.Record.ExpiresAt.UTC(), ir.Now.UTC()
 	ir.Record.TTL = time.Duration(ttl) * time.Microsecond
 	if lockedAt != nil {
@@ -327,7 +276,7 @@ func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 	if lockedUntil != nil {
 		ir.Record.LockedUntil = lockedUntil.UTC()
 	}
-	if ir.Record.Status != StatusCompleted {
+	if ir.Record.Status != store.StatusCompleted {
 		return ir, nil
 	}
 	resp := storedResponse(respStatus, replayable, respSize, respBody)
@@ -348,7 +297,7 @@ func scanInspected(row pgx.CollectableRow) (InspectedRecord, error) {
 	return ir, nil
 }
 
-func (s *PostgresStore) DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
+func (s *PostgresStore) DeleteRecord(ctx context.Context, key store.RecordKey, force bool, lockTimeout time.Duration) (store.Status, error) {
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
 		return "", err
@@ -360,7 +309,7 @@ WHERE credential_hash = $1 AND key = $2
 	AND ($3 OR (status = 'in_progress' AND `+leaseEndSQL(primarySinceSQL(s.table), "r", "$4::bigint"+microseconds)+` <= now()))
 RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microseconds()).Scan(&status)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return "", ErrNoRecord
+		return "", store.ErrNoRecord
 	}
 	if err != nil {
 		return "", err
@@ -372,13 +321,13 @@ RETURNING status`, key.CredentialHash[:], key.Key, force, lockTimeout.Microsecon
 	if err := tx.Commit(ctx); err != nil {
 		return "", err
 	}
-	return Status(status), nil
+	return store.Status(status), nil
 }
 
 // Interface guards
 var (
-	_ Inspector = (*MemoryStore)(nil)
-	_ Inspector = (*PostgresStore)(nil)
+	_ store.Inspector = (*MemoryStore)(nil)
+	_ store.Inspector = (*PostgresStore)(nil)
 )
 
 // recordJSON is a record as the admin API and the CLI's --json show it:
@@ -388,7 +337,7 @@ type recordJSON struct {
 	CredentialHash string        `json:"credential_hash"`
 	CredentialID   string        `json:"credential_id"`
 	Key            string        `json:"key"`
-	Status         Status        `json:"status"`
+	Status         store.Status  `json:"status"`
 	Expired        bool          `json:"expired"`
 	Method         string        `json:"method"`
 	Path           string        `json:"path"`
@@ -414,7 +363,7 @@ type responseJSON struct {
 	Body []byte `json:"body_base64"`
 }
 
-func newRecordJSON(ir InspectedRecord, withResponse bool) recordJSON {
+func newRecordJSON(ir store.InspectedRecord, withResponse bool) recordJSON {
 	rec := recordJSON{
 		CredentialHash: fmt.Sprintf("%x", ir.Key.CredentialHash),
 		CredentialID:   credentialID(ir.Key.CredentialHash),
@@ -429,8 +378,8 @@ func newRecordJSON(ir InspectedRecord, withResponse bool) recordJSON {
 		StoredBody:     ir.StoredBody,
 		StoredHeaders:  ir.StoredHeaders,
 	}
-	if ir.Record.Status == StatusInProgress {
-		locked, until, ends := ir.Record.LockedAt.UTC(), ir.Record.LockedUntil.UTC(), ir.leaseEnd().UTC()
+	if ir.Record.Status == store.StatusInProgress {
+		locked, until, ends := ir.Record.LockedAt.UTC(), ir.Record.LockedUntil.UTC(), leaseEnd(ir).UTC()
 		rec.Locked, rec.LockedUntil, rec.LeaseEnds = &locked, &until, &ends
 	}
 	if resp := ir.Record.Response; resp != nil {

@@ -38,6 +38,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // invariantParams sizes a run.
@@ -398,7 +400,7 @@ func checkInvariant(t *testing.T, w *workload, plans []keyPlan, up *upstream, sb
 				w.fail("%s: executed %d times, want exactly once: %s", id, len(execs), strings.Join(seqs, ", "))
 			}
 			rec, ok := table[id]
-			if !ok || rec.status != string(StatusCompleted) {
+			if !ok || rec.status != string(store.StatusCompleted) {
 				w.fail("%s: record %+v (present %v), want completed", id, rec.status, ok)
 				continue
 			}

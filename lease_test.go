@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // The issue's reproduction: with a retention of 3s and a lock_timeout of
@@ -155,14 +157,14 @@ func TestPostgresReplaysHeadersStoredAsJSON(t *testing.T) {
 	s := newTestPostgresStore(t, freshTable(t), 2)
 	ctx := context.Background()
 	req := testAcquireRequest("cred", "json-key", "body")
-	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire: %+v, %v", res, err)
 	}
 	mustExec(t, s, `UPDATE `+s.table.quoted()+` SET status = 'completed', lock_token = NULL, locked_at = NULL,
 	response_status = 200, response_headers = '{"X-A": ["1", "2"], "Content-Type": ["text/plain"]}',
 	response_body = 'hi', replayable = true, response_size = 2`)
 	res, err := s.Acquire(ctx, retryRequest(req))
-	if err != nil || res.Outcome != OutcomeExisting || res.Record.Response == nil {
+	if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Response == nil {
 		t.Fatalf("replay: %+v, %v", res, err)
 	}
 	if h := res.Record.Response.Header; !equalStrings(h["X-A"], []string{"1", "2"}) || h.Get("Content-Type") != "text/plain" || len(h) != 2 {
@@ -208,14 +210,14 @@ func TestPostgresCompleteUnstorableIsPermanent(t *testing.T) {
 	mustExec(t, s, "ALTER TABLE "+s.table.quoted()+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 5)")
 	ctx := context.Background()
 	req := testAcquireRequest("cred", "unstorable", "body")
-	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire: %+v, %v", res, err)
 	}
-	err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Body: []byte("too long"), Replayable: true}, req.Retention)
-	if !errors.Is(err, ErrUnstorable) {
+	err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, Body: []byte("too long"), Replayable: true}, req.Retention)
+	if !errors.Is(err, store.ErrUnstorable) {
 		t.Fatalf("complete: %v, want ErrUnstorable", err)
 	}
-	if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 200, BodySize: 8}, req.Retention); err != nil {
+	if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, BodySize: 8}, req.Retention); err != nil {
 		t.Fatalf("complete without the body: %v", err)
 	}
 }

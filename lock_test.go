@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -22,21 +23,21 @@ import (
 
 // scriptedStore wraps a store with hooks that run before its methods.
 type scriptedStore struct {
-	Store
+	store.Store
 	beforeAcquire  func(ctx context.Context)
 	beforeRenew    func() error
 	beforeComplete func() error
 	renewing       atomic.Bool
 }
 
-func (s *scriptedStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s *scriptedStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	if s.beforeAcquire != nil {
 		s.beforeAcquire(ctx)
 	}
 	return s.Store.Acquire(ctx, req)
 }
 
-func (s *scriptedStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (s *scriptedStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	s.renewing.Store(true)
 	defer s.renewing.Store(false)
 	if s.beforeRenew != nil {
@@ -47,7 +48,7 @@ func (s *scriptedStore) Renew(ctx context.Context, key RecordKey, token LockToke
 	return s.Store.Renew(ctx, key, token)
 }
 
-func (s *scriptedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (s *scriptedStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	if s.beforeComplete != nil {
 		if err := s.beforeComplete(); err != nil {
 			return err
@@ -89,7 +90,7 @@ func TestLateAcquireIsConfirmed(t *testing.T) {
 		h, s, logs := lockHandler(t, lockTimeout)
 		lostBefore := counterValue(t, h.metrics.lockLost.renew)
 		s.beforeAcquire = func(context.Context) { time.Sleep(lockTimeout / 2) }
-		s.beforeRenew = func() error { return ErrLockLost }
+		s.beforeRenew = func() error { return store.ErrLockLost }
 		var calls atomic.Int32
 		if got := serve(context.Background(), h, "late-and-lost", created(&calls)); got != http.StatusConflict {
 			t.Errorf("status %d, want 409: another request owns the key", got)
@@ -134,7 +135,7 @@ func TestShadowLateAcquireIsConfirmed(t *testing.T) {
 		renew     error
 		result    string
 	}{
-		{"lock lost meanwhile", "shadow-late-and-lost", ErrLockLost, "shadow_in_progress"},
+		{"lock lost meanwhile", "shadow-late-and-lost", store.ErrLockLost, "shadow_in_progress"},
 		{"store fails", "shadow-late-store-fails", errors.New("dial tcp 127.0.0.1:5432: connect: connection refused"), "shadow_store_error"},
 		{"still owned", "shadow-late-and-kept", nil, "shadow_executed"},
 	} {
@@ -160,7 +161,7 @@ func TestShadowLateAcquireIsConfirmed(t *testing.T) {
 			}
 			confirmLost := logs.FilterMessage("idempotency.lock_lost").FilterField(zap.String("during", "confirm")).Len()
 			want := 0
-			if tc.renew == ErrLockLost {
+			if tc.renew == store.ErrLockLost {
 				want = 1
 			}
 			if confirmLost != want {
@@ -220,7 +221,7 @@ func TestLostRenewalIsCountedOnce(t *testing.T) {
 	lostBefore := counterValue(t, h.metrics.lockLost.renew)
 	s.beforeRenew = func() error {
 		time.Sleep(lockTimeout / 2) // two renewals in flight at once
-		return ErrLockLost
+		return store.ErrLockLost
 	}
 	var calls atomic.Int32
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
@@ -326,12 +327,12 @@ func TestPoolOutlivesUnloadedRequests(t *testing.T) {
 	s.DrainWhile(busy.Load, time.Minute)
 
 	req := testAcquireRequest("cred", "drain-"+randomHex(4), `{}`)
-	mustAcquirePG(t, s, req, OutcomeCreated)
+	mustAcquirePG(t, s, req, store.OutcomeCreated)
 	cancel() // the config is unloaded, its request still running
 	if err := s.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Body: []byte{}, Replayable: true}, req.Retention); err != nil {
+	if err := s.Complete(context.Background(), req.Key, req.Token, &store.Response{Status: 201, Body: []byte{}, Replayable: true}, req.Retention); err != nil {
 		t.Fatalf("completing after the config was unloaded: %v", err)
 	}
 	if _, ok := postgresPools.References(s.poolKey); !ok {

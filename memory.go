@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
@@ -115,38 +116,38 @@ func (m *MemoryStore) Cleanup() error {
 }
 
 // Acquire implements Store.
-func (m *MemoryStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (m *MemoryStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	if err := ctx.Err(); err != nil {
-		return AcquireResult{}, err
+		return store.AcquireResult{}, err
 	}
 	res, packed, err := m.records.acquire(req)
-	if res.Record != nil && res.Record.Status == StatusCompleted {
+	if res.Record != nil && res.Record.Status == store.StatusCompleted {
 		// A packed response is never changed once stored, so it is
 		// unpacked outside the lock.
 		var uerr error
 		if res.Record.Response, uerr = packed.unpack(); uerr != nil {
-			return AcquireResult{}, fmt.Errorf("memory store: %w", uerr)
+			return store.AcquireResult{}, fmt.Errorf("memory store: %w", uerr)
 		}
 	}
 	return res, err
 }
 
 // Complete implements Store.
-func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (m *MemoryStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	// Packed outside the lock.
 	packed := packResponse(resp)
 	err := m.records.owned(key, token, func(rec *memoryRecord) {
-		rec.Status = StatusCompleted
+		rec.Status = store.StatusCompleted
 		rec.response = packed
 		// Later than the expiry it replaces (that of the record's
 		// acquire or last renewal, both before now), so earliest stays
 		// a lower bound.
 		rec.ExpiresAt = m.records.now().Add(retention)
 	})
-	if errors.Is(err, ErrLockLost) && m.records.completedBy(key, token) {
+	if errors.Is(err, store.ErrLockLost) && m.records.completedBy(key, token) {
 		return nil
 	}
 	if err == nil {
@@ -156,14 +157,14 @@ func (m *MemoryStore) Complete(ctx context.Context, key RecordKey, token LockTok
 }
 
 // Release implements Store.
-func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+func (m *MemoryStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	err := m.records.owned(key, token, func(*memoryRecord) {
 		delete(m.records.m, key)
 	})
-	if errors.Is(err, ErrLockLost) && m.records.gone(key) {
+	if errors.Is(err, store.ErrLockLost) && m.records.gone(key) {
 		return nil
 	}
 	if err == nil {
@@ -177,12 +178,12 @@ func (m *MemoryStore) Release(ctx context.Context, key RecordKey, token LockToke
 func (m *MemoryStore) EnableWaiting() error { return nil }
 
 // WaitCompleted implements Waiter.
-func (m *MemoryStore) WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{} {
+func (m *MemoryStore) WaitCompleted(ctx context.Context, key store.RecordKey) <-chan struct{} {
 	return m.records.waits.wait(ctx, key)
 }
 
 // Renew implements Store.
-func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (m *MemoryStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -202,7 +203,7 @@ func (m *MemoryStore) Renew(ctx context.Context, key RecordKey, token LockToken)
 		}
 	})
 	if ended {
-		return ErrLockLost
+		return store.ErrLockLost
 	}
 	return err
 }
@@ -239,7 +240,7 @@ type memoryRecords struct {
 	pruning    atomic.Bool
 
 	mu sync.Mutex
-	m  map[RecordKey]*memoryRecord
+	m  map[store.RecordKey]*memoryRecord
 	// earliest is at or before the expiry of every record, so that a
 	// full store of live records refuses a new key without sweeping the
 	// whole map each time.
@@ -247,14 +248,14 @@ type memoryRecords struct {
 
 	// waits are the requests waiting for a record to be completed or
 	// released (the handler's `wait`).
-	waits waitSet[RecordKey]
+	waits waitSet[store.RecordKey]
 }
 
 // memoryRecord is a record as the memory store keeps it: its Response
 // is always nil, the completed response being kept packed instead.
 type memoryRecord struct {
-	Record
-	token LockToken
+	store.Record
+	token store.LockToken
 	// lease is the lock timeout of the record's owner: each renewal
 	// extends LockedUntil to now plus lease.
 	lease    time.Duration
@@ -267,10 +268,10 @@ type memoryRecord struct {
 func (rec *memoryRecord) leaseEnded(now time.Time) bool { return !now.Before(rec.LockedUntil) }
 
 func newMemoryRecords(maxEntries int, now func() time.Time) *memoryRecords {
-	return &memoryRecords{now: now, maxEntries: maxEntries, m: make(map[RecordKey]*memoryRecord)}
+	return &memoryRecords{now: now, maxEntries: maxEntries, m: make(map[store.RecordKey]*memoryRecord)}
 }
 
-func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedResponse, error) {
+func (s *memoryRecords) acquire(req store.AcquireRequest) (store.AcquireResult, packedResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
@@ -286,10 +287,10 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 			s.dropExpired(now, 0)
 		}
 		if len(s.m) >= s.maxEntries {
-			return AcquireResult{}, packedResponse{}, ErrStoreFull
+			return store.AcquireResult{}, packedResponse{}, store.ErrStoreFull
 		}
-		rec = &memoryRecord{token: req.Token, lease: req.LockTimeout, Record: Record{
-			Status:      StatusInProgress,
+		rec = &memoryRecord{token: req.Token, lease: req.LockTimeout, Record: store.Record{
+			Status:      store.StatusInProgress,
 			Fingerprint: req.Fingerprint,
 			Method:      req.Method,
 			Path:        req.Path,
@@ -302,52 +303,52 @@ func (s *memoryRecords) acquire(req AcquireRequest) (AcquireResult, packedRespon
 		if len(s.m) == 1 || rec.ExpiresAt.Before(s.earliest) {
 			s.earliest = rec.ExpiresAt
 		}
-		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
+		return store.AcquireResult{Outcome: store.OutcomeCreated}, packedResponse{}, nil
 	}
-	if rec.token == req.Token && rec.Status == StatusInProgress && !rec.leaseEnded(now) {
+	if rec.token == req.Token && rec.Status == store.StatusInProgress && !rec.leaseEnded(now) {
 		// The Store contract: an earlier attempt of this acquire.
-		return AcquireResult{Outcome: OutcomeCreated}, packedResponse{}, nil
+		return store.AcquireResult{Outcome: store.OutcomeCreated}, packedResponse{}, nil
 	}
 	// Only the same request may take over a stale lock: a different one
 	// under the same key must get its mismatch, not run in place of a
 	// request that may have executed. The lease is the record's, set by
 	// its owner's lock timeout, not the retrier's.
-	if rec.Status == StatusInProgress && rec.leaseEnded(now) && rec.Fingerprint == req.Fingerprint {
+	if rec.Status == store.StatusInProgress && rec.leaseEnded(now) && rec.Fingerprint == req.Fingerprint {
 		// A fresh retention, as the Postgres store gives: a record that
 		// expired under its new owner would let yet another request run.
 		rec.token, rec.lease = req.Token, req.LockTimeout
 		rec.LockedAt, rec.LockedUntil = now, now.Add(req.LockTimeout)
 		rec.ExpiresAt = now.Add(max(req.Retention, req.LockTimeout))
-		return AcquireResult{Outcome: OutcomeTakenOver}, packedResponse{}, nil
+		return store.AcquireResult{Outcome: store.OutcomeTakenOver}, packedResponse{}, nil
 	}
 	snapshot := rec.Record
 	snapshot.TTL = rec.ExpiresAt.Sub(now)
-	return AcquireResult{Outcome: OutcomeExisting, Record: &snapshot}, rec.response, nil
+	return store.AcquireResult{Outcome: store.OutcomeExisting, Record: &snapshot}, rec.response, nil
 }
 
 // owned runs f on the in_progress record of key if token owns it, under
 // the lock, or returns ErrLockLost.
-func (s *memoryRecords) owned(key RecordKey, token LockToken, f func(*memoryRecord)) error {
+func (s *memoryRecords) owned(key store.RecordKey, token store.LockToken, f func(*memoryRecord)) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.m[key]
-	if !ok || rec.token != token || rec.Status != StatusInProgress {
-		return ErrLockLost
+	if !ok || rec.token != token || rec.Status != store.StatusInProgress {
+		return store.ErrLockLost
 	}
 	f(rec)
 	return nil
 }
 
 // completedBy reports whether token completed the record of key.
-func (s *memoryRecords) completedBy(key RecordKey, token LockToken) bool {
+func (s *memoryRecords) completedBy(key store.RecordKey, token store.LockToken) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rec, ok := s.m[key]
-	return ok && rec.token == token && rec.Status == StatusCompleted
+	return ok && rec.token == token && rec.Status == store.StatusCompleted
 }
 
 // gone reports whether key has no record.
-func (s *memoryRecords) gone(key RecordKey) bool {
+func (s *memoryRecords) gone(key store.RecordKey) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	_, ok := s.m[key]
@@ -401,8 +402,8 @@ type packedResponse struct {
 
 // packResponse packs r's headers, as the Postgres store encodes them
 // too, and keeps its body.
-func packResponse(r *Response) packedResponse {
-	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: keptBody(r.Body)}
+func packResponse(r *store.Response) packedResponse {
+	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: store.KeptBody(r.Body)}
 	if len(r.Header) > 0 {
 		p.headers = encodeHeaders(r.Header)
 	}
@@ -412,8 +413,8 @@ func packResponse(r *Response) packedResponse {
 // unpack returns the Response that p packed. The body is the store's
 // own, never changed once stored, so it is shared rather than copied: a
 // replay of a large body would otherwise copy all of it to write it once.
-func (p packedResponse) unpack() (*Response, error) {
-	r := &Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
+func (p packedResponse) unpack() (*store.Response, error) {
+	r := &store.Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
 	if p.body != nil {
 		// Capacity ends at the body's end: an append reallocates.
 		r.Body = p.body[:len(p.body):len(p.body)]
@@ -436,11 +437,11 @@ func (m *MemoryStore) InProcess() {}
 
 // Interface guards
 var (
-	_ Store                 = (*MemoryStore)(nil)
-	_ Waiter                = (*MemoryStore)(nil)
-	_ SecretKeeper          = (*MemoryStore)(nil)
-	_ RecordSet             = (*MemoryStore)(nil)
-	_ InProcess             = (*MemoryStore)(nil)
+	_ store.Store           = (*MemoryStore)(nil)
+	_ store.Waiter          = (*MemoryStore)(nil)
+	_ store.SecretKeeper    = (*MemoryStore)(nil)
+	_ store.RecordSet       = (*MemoryStore)(nil)
+	_ store.InProcess       = (*MemoryStore)(nil)
 	_ caddy.Provisioner     = (*MemoryStore)(nil)
 	_ caddy.CleanerUpper    = (*MemoryStore)(nil)
 	_ caddyfile.Unmarshaler = (*MemoryStore)(nil)

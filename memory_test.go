@@ -12,18 +12,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // acquireConcurrently runs Acquire for n requests for the same key at
 // once and counts the outcomes.
-func acquireConcurrently(t *testing.T, s Store, n int) map[Outcome]int {
+func acquireConcurrently(t *testing.T, s store.Store, n int) map[store.Outcome]int {
 	t.Helper()
 	var (
 		wg       sync.WaitGroup
 		mu       sync.Mutex
-		outcomes = map[Outcome]int{}
+		outcomes = map[store.Outcome]int{}
 		start    = make(chan struct{})
 	)
 	for range n {
@@ -34,7 +35,7 @@ func acquireConcurrently(t *testing.T, s Store, n int) map[Outcome]int {
 				t.Error(err)
 				return
 			}
-			if res.Outcome == OutcomeExisting && res.Record.Status != StatusInProgress {
+			if res.Outcome == store.OutcomeExisting && res.Record.Status != store.StatusInProgress {
 				t.Errorf("existing record is %s", res.Record.Status)
 			}
 			mu.Lock()
@@ -50,7 +51,7 @@ func acquireConcurrently(t *testing.T, s Store, n int) map[Outcome]int {
 func TestMemoryConcurrentAcquireCreatesOnce(t *testing.T) {
 	s, _ := newTestMemoryStore(100)
 	got := acquireConcurrently(t, s, 50)
-	if got[OutcomeCreated] != 1 || got[OutcomeExisting] != 49 {
+	if got[store.OutcomeCreated] != 1 || got[store.OutcomeExisting] != 49 {
 		t.Fatalf("outcomes = %v, want 1 created and 49 existing", got)
 	}
 }
@@ -58,14 +59,14 @@ func TestMemoryConcurrentAcquireCreatesOnce(t *testing.T) {
 func TestMemoryConcurrentTakeoverOnce(t *testing.T) {
 	s, clock := newTestMemoryStore(100)
 	dead := memTestRequest("concurrent-key")
-	mustAcquire(t, s, dead, OutcomeCreated)
+	mustAcquire(t, s, dead, store.OutcomeCreated)
 	clock.advance(memTestLockTimeout + time.Second)
 
 	got := acquireConcurrently(t, s, 50)
-	if got[OutcomeTakenOver] != 1 || got[OutcomeExisting] != 49 {
+	if got[store.OutcomeTakenOver] != 1 || got[store.OutcomeExisting] != 49 {
 		t.Fatalf("outcomes = %v, want 1 taken over and 49 existing", got)
 	}
-	if err := s.Complete(context.Background(), dead.Key, dead.Token, &Response{Status: 200}, dead.Retention); !errors.Is(err, ErrLockLost) {
+	if err := s.Complete(context.Background(), dead.Key, dead.Token, &store.Response{Status: 200}, dead.Retention); !errors.Is(err, store.ErrLockLost) {
 		t.Fatalf("the dead owner's Complete: %v, want ErrLockLost", err)
 	}
 }
@@ -74,12 +75,12 @@ func TestMemoryTakeover(t *testing.T) {
 	s, clock := newTestMemoryStore(100)
 	ctx := context.Background()
 	first := memTestRequest("takeover-key")
-	mustAcquire(t, s, first, OutcomeCreated)
+	mustAcquire(t, s, first, store.OutcomeCreated)
 
 	// The lease ends at LockedUntil: until then it is live.
 	clock.advance(memTestLockTimeout - time.Nanosecond)
 	retry := memTestRequest("takeover-key")
-	if rec := mustAcquire(t, s, retry, OutcomeExisting); rec.Status != StatusInProgress {
+	if rec := mustAcquire(t, s, retry, store.OutcomeExisting); rec.Status != store.StatusInProgress {
 		t.Fatalf("status %s", rec.Status)
 	}
 
@@ -87,26 +88,26 @@ func TestMemoryTakeover(t *testing.T) {
 	clock.advance(time.Nanosecond)
 	other := memTestRequest("takeover-key")
 	other.Fingerprint = [32]byte{3}
-	mustAcquire(t, s, other, OutcomeExisting)
+	mustAcquire(t, s, other, store.OutcomeExisting)
 
-	mustAcquire(t, s, retry, OutcomeTakenOver)
-	if err := s.Renew(ctx, first.Key, first.Token); !errors.Is(err, ErrLockLost) {
+	mustAcquire(t, s, retry, store.OutcomeTakenOver)
+	if err := s.Renew(ctx, first.Key, first.Token); !errors.Is(err, store.ErrLockLost) {
 		t.Fatalf("old owner's Renew: %v, want ErrLockLost", err)
 	}
-	if err := s.Release(ctx, first.Key, first.Token); !errors.Is(err, ErrLockLost) {
+	if err := s.Release(ctx, first.Key, first.Token); !errors.Is(err, store.ErrLockLost) {
 		t.Fatalf("old owner's Release: %v, want ErrLockLost", err)
 	}
 	// The takeover renewed the lock.
-	rec := mustAcquire(t, s, memTestRequest("takeover-key"), OutcomeExisting)
+	rec := mustAcquire(t, s, memTestRequest("takeover-key"), store.OutcomeExisting)
 	if !rec.LockedAt.Equal(clock.now()) || rec.CreatedAt.Equal(rec.LockedAt) {
 		t.Fatalf("after takeover: created %v, locked %v, now %v", rec.CreatedAt, rec.LockedAt, clock.now())
 	}
-	if err := s.Complete(ctx, retry.Key, retry.Token, &Response{Status: 201, Replayable: true}, retry.Retention); err != nil {
+	if err := s.Complete(ctx, retry.Key, retry.Token, &store.Response{Status: 201, Replayable: true}, retry.Retention); err != nil {
 		t.Fatal(err)
 	}
 	// A completed record is never taken over, however old.
 	clock.advance(time.Hour)
-	if rec := mustAcquire(t, s, memTestRequest("takeover-key"), OutcomeExisting); rec.Status != StatusCompleted || rec.Response.Status != 201 {
+	if rec := mustAcquire(t, s, memTestRequest("takeover-key"), store.OutcomeExisting); rec.Status != store.StatusCompleted || rec.Response.Status != 201 {
 		t.Fatalf("record %+v", rec)
 	}
 }
@@ -114,7 +115,7 @@ func TestMemoryTakeover(t *testing.T) {
 func TestMemoryRenewKeepsTheLock(t *testing.T) {
 	s, clock := newTestMemoryStore(100)
 	owner := memTestRequest("renew-key")
-	mustAcquire(t, s, owner, OutcomeCreated)
+	mustAcquire(t, s, owner, store.OutcomeCreated)
 	for range 3 {
 		clock.advance(memTestLockTimeout * 2 / 3)
 		if err := s.Renew(context.Background(), owner.Key, owner.Token); err != nil {
@@ -122,43 +123,45 @@ func TestMemoryRenewKeepsTheLock(t *testing.T) {
 		}
 	}
 	clock.advance(memTestLockTimeout * 2 / 3)
-	rec := mustAcquire(t, s, memTestRequest("renew-key"), OutcomeExisting)
-	if rec.Status != StatusInProgress {
+	rec := mustAcquire(t, s, memTestRequest("renew-key"), store.OutcomeExisting)
+	if rec.Status != store.StatusInProgress {
 		t.Fatalf("status %s", rec.Status)
 	}
 }
 
 func TestMemoryTokenChecks(t *testing.T) {
 	ctx := context.Background()
-	resp := &Response{Status: 200, Replayable: true}
+	resp := &store.Response{Status: 200, Replayable: true}
 	for _, tc := range []struct {
 		name string
-		op   func(s Store, key RecordKey, token LockToken) error
+		op   func(s store.Store, key store.RecordKey, token store.LockToken) error
 	}{
-		{"Complete", func(s Store, key RecordKey, token LockToken) error {
+		{"Complete", func(s store.Store, key store.RecordKey, token store.LockToken) error {
 			return s.Complete(ctx, key, token, resp, time.Hour)
 		}},
-		{"Release", func(s Store, key RecordKey, token LockToken) error { return s.Release(ctx, key, token) }},
-		{"Renew", func(s Store, key RecordKey, token LockToken) error { return s.Renew(ctx, key, token) }},
+		{"Release", func(s store.Store, key store.RecordKey, token store.LockToken) error {
+			return s.Release(ctx, key, token)
+		}},
+		{"Renew", func(s store.Store, key store.RecordKey, token store.LockToken) error { return s.Renew(ctx, key, token) }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s, _ := newTestMemoryStore(100)
 			owner := memTestRequest("token-key")
-			mustAcquire(t, s, owner, OutcomeCreated)
+			mustAcquire(t, s, owner, store.OutcomeCreated)
 
-			if err := tc.op(s, owner.Key, newLockToken()); !errors.Is(err, ErrLockLost) {
+			if err := tc.op(s, owner.Key, newLockToken()); !errors.Is(err, store.ErrLockLost) {
 				t.Fatalf("wrong token: %v, want ErrLockLost", err)
 			}
 			// A missing record is released, by the Store contract (an
 			// earlier attempt, whose reply was lost, released it).
 			missing := owner.Key
 			missing.Key = "missing-key"
-			if err := tc.op(s, missing, owner.Token); tc.name != "Release" && !errors.Is(err, ErrLockLost) {
+			if err := tc.op(s, missing, owner.Token); tc.name != "Release" && !errors.Is(err, store.ErrLockLost) {
 				t.Fatalf("missing record: %v, want ErrLockLost", err)
 			}
 			otherTenant := owner.Key
 			otherTenant.CredentialHash = [32]byte{9}
-			if err := tc.op(s, otherTenant, owner.Token); tc.name != "Release" && !errors.Is(err, ErrLockLost) {
+			if err := tc.op(s, otherTenant, owner.Token); tc.name != "Release" && !errors.Is(err, store.ErrLockLost) {
 				t.Fatalf("other credential: %v, want ErrLockLost", err)
 			}
 			if err := tc.op(s, owner.Key, owner.Token); err != nil {
@@ -176,16 +179,16 @@ func TestMemoryCompleteAndRelease(t *testing.T) {
 	s, _ := newTestMemoryStore(100)
 	ctx := context.Background()
 	req := memTestRequest("complete-key")
-	mustAcquire(t, s, req, OutcomeCreated)
-	resp := &Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":1}`), Replayable: true, BodySize: 8}
+	mustAcquire(t, s, req, store.OutcomeCreated)
+	resp := &store.Response{Status: 201, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"id":1}`), Replayable: true, BodySize: 8}
 	if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
+	if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, store.ErrLockLost) {
 		t.Fatalf("Release of a completed record: %v, want ErrLockLost", err)
 	}
-	rec := mustAcquire(t, s, memTestRequest("complete-key"), OutcomeExisting)
-	if rec.Status != StatusCompleted || rec.Fingerprint != req.Fingerprint || rec.Method != req.Method || rec.Path != req.Path ||
+	rec := mustAcquire(t, s, memTestRequest("complete-key"), store.OutcomeExisting)
+	if rec.Status != store.StatusCompleted || rec.Fingerprint != req.Fingerprint || rec.Method != req.Method || rec.Path != req.Path ||
 		rec.Response.Status != 201 || string(rec.Response.Body) != `{"id":1}` || rec.Response.Header.Get("Content-Type") != "application/json" ||
 		!rec.Response.Replayable || rec.Response.BodySize != 8 {
 		t.Fatalf("record %+v, response %+v", rec, rec.Response)
@@ -195,18 +198,18 @@ func TestMemoryCompleteAndRelease(t *testing.T) {
 	}
 
 	released := memTestRequest("release-key")
-	mustAcquire(t, s, released, OutcomeCreated)
+	mustAcquire(t, s, released, store.OutcomeCreated)
 	if err := s.Release(ctx, released.Key, released.Token); err != nil {
 		t.Fatal(err)
 	}
-	mustAcquire(t, s, memTestRequest("release-key"), OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("release-key"), store.OutcomeCreated)
 }
 
 func TestMemoryRecordsAreCopies(t *testing.T) {
 	s, _ := newTestMemoryStore(100)
 	req := memTestRequest("copy-key")
-	mustAcquire(t, s, req, OutcomeCreated)
-	resp := &Response{Status: 200, Header: http.Header{"X-A": {"1"}}, Body: []byte("body"), Replayable: true}
+	mustAcquire(t, s, req, store.OutcomeCreated)
+	resp := &store.Response{Status: 200, Header: http.Header{"X-A": {"1"}}, Body: []byte("body"), Replayable: true}
 	if err := s.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
 		t.Fatal(err)
 	}
@@ -216,13 +219,13 @@ func TestMemoryRecordsAreCopies(t *testing.T) {
 	resp.Status = 500
 	// ...and a replaying handler changes the headers and status it was
 	// given (the body is read-only: Store.Acquire).
-	rec := mustAcquire(t, s, memTestRequest("copy-key"), OutcomeExisting)
+	rec := mustAcquire(t, s, memTestRequest("copy-key"), store.OutcomeExisting)
 	rec.Response.Header["X-A"][0] = "3"
 	rec.Response.Status = 502
-	rec.Status = StatusInProgress
+	rec.Status = store.StatusInProgress
 
-	rec = mustAcquire(t, s, memTestRequest("copy-key"), OutcomeExisting)
-	if rec.Status != StatusCompleted || rec.Response.Status != 200 || string(rec.Response.Body) != "body" || rec.Response.Header.Get("X-A") != "1" {
+	rec = mustAcquire(t, s, memTestRequest("copy-key"), store.OutcomeExisting)
+	if rec.Status != store.StatusCompleted || rec.Response.Status != 200 || string(rec.Response.Body) != "body" || rec.Response.Header.Get("X-A") != "1" {
 		t.Fatalf("the store's record changed: %+v, %+v", rec, rec.Response)
 	}
 }
@@ -230,37 +233,37 @@ func TestMemoryRecordsAreCopies(t *testing.T) {
 func TestMemoryExpiredRecordsAreAbsent(t *testing.T) {
 	s, clock := newTestMemoryStore(100)
 	req := memTestRequest("expiry-key")
-	mustAcquire(t, s, req, OutcomeCreated)
-	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 200, Replayable: true}, req.Retention); err != nil {
+	mustAcquire(t, s, req, store.OutcomeCreated)
+	if err := s.Complete(context.Background(), req.Key, req.Token, &store.Response{Status: 200, Replayable: true}, req.Retention); err != nil {
 		t.Fatal(err)
 	}
 	clock.advance(memTestRetention - time.Nanosecond)
-	mustAcquire(t, s, memTestRequest("expiry-key"), OutcomeExisting)
+	mustAcquire(t, s, memTestRequest("expiry-key"), store.OutcomeExisting)
 	clock.advance(time.Nanosecond)
 	again := memTestRequest("expiry-key")
 	again.Fingerprint = [32]byte{4} // even another request: the key is free again
-	mustAcquire(t, s, again, OutcomeCreated)
-	if rec := mustAcquire(t, s, memTestRequest("expiry-key"), OutcomeExisting); rec.Status != StatusInProgress || rec.Fingerprint != again.Fingerprint {
+	mustAcquire(t, s, again, store.OutcomeCreated)
+	if rec := mustAcquire(t, s, memTestRequest("expiry-key"), store.OutcomeExisting); rec.Status != store.StatusInProgress || rec.Fingerprint != again.Fingerprint {
 		t.Fatalf("record %+v", rec)
 	}
 
 	// An in_progress record expires too.
 	stuck := memTestRequest("stuck-key")
 	stuck.Retention = time.Minute
-	mustAcquire(t, s, stuck, OutcomeCreated)
+	mustAcquire(t, s, stuck, store.OutcomeCreated)
 	clock.advance(time.Minute)
-	mustAcquire(t, s, memTestRequest("stuck-key"), OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("stuck-key"), store.OutcomeCreated)
 }
 
 func TestMemoryPrune(t *testing.T) {
 	s, clock := newTestMemoryStore(100)
 	ctx := context.Background()
 	for i := range 10 {
-		mustAcquire(t, s, memTestRequest("old-"+strings.Repeat("x", i)), OutcomeCreated)
+		mustAcquire(t, s, memTestRequest("old-"+strings.Repeat("x", i)), store.OutcomeCreated)
 	}
 	clock.advance(memTestRetention / 2)
 	for i := range 5 {
-		mustAcquire(t, s, memTestRequest("new-"+strings.Repeat("x", i)), OutcomeCreated)
+		mustAcquire(t, s, memTestRequest("new-"+strings.Repeat("x", i)), store.OutcomeCreated)
 	}
 	if n, err := s.Prune(ctx, 3); err != nil || n != 0 {
 		t.Fatalf("Prune before expiry = %d, %v", n, err)
@@ -297,23 +300,23 @@ func TestMemoryFull(t *testing.T) {
 	ctx := context.Background()
 	first := memTestRequest("full-1")
 	first.Retention = time.Hour
-	mustAcquire(t, s, first, OutcomeCreated)
-	mustAcquire(t, s, memTestRequest("full-2"), OutcomeCreated)
-	mustAcquire(t, s, memTestRequest("full-3"), OutcomeCreated)
+	mustAcquire(t, s, first, store.OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-2"), store.OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-3"), store.OutcomeCreated)
 
-	if _, err := s.Acquire(ctx, memTestRequest("full-4")); !errors.Is(err, ErrStoreFull) {
+	if _, err := s.Acquire(ctx, memTestRequest("full-4")); !errors.Is(err, store.ErrStoreFull) {
 		t.Fatalf("new key in a full store: %v, want ErrStoreFull", err)
 	}
 	// Live records are never evicted, and keys already there still answer.
-	mustAcquire(t, s, memTestRequest("full-1"), OutcomeExisting)
+	mustAcquire(t, s, memTestRequest("full-1"), store.OutcomeExisting)
 
 	// An expired record makes room.
 	clock.advance(time.Hour)
-	mustAcquire(t, s, memTestRequest("full-4"), OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-4"), store.OutcomeCreated)
 	if _, ok := s.records.m[first.Key]; ok {
 		t.Fatal("the expired record is still stored")
 	}
-	if _, err := s.Acquire(ctx, memTestRequest("full-5")); !errors.Is(err, ErrStoreFull) {
+	if _, err := s.Acquire(ctx, memTestRequest("full-5")); !errors.Is(err, store.ErrStoreFull) {
 		t.Fatalf("new key in a full store: %v, want ErrStoreFull", err)
 	}
 
@@ -322,7 +325,7 @@ func TestMemoryFull(t *testing.T) {
 	if err := s.Release(ctx, released.Key, s.records.m[released.Key].token); err != nil {
 		t.Fatal(err)
 	}
-	mustAcquire(t, s, memTestRequest("full-5"), OutcomeCreated)
+	mustAcquire(t, s, memTestRequest("full-5"), store.OutcomeCreated)
 }
 
 func TestMemoryCancelledContext(t *testing.T) {
@@ -333,7 +336,7 @@ func TestMemoryCancelledContext(t *testing.T) {
 	if _, err := s.Acquire(ctx, req); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Acquire: %v", err)
 	}
-	if err := s.Complete(ctx, req.Key, req.Token, &Response{}, req.Retention); !errors.Is(err, context.Canceled) {
+	if err := s.Complete(ctx, req.Key, req.Token, &store.Response{}, req.Retention); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Complete: %v", err)
 	}
 	if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, context.Canceled) {
@@ -365,7 +368,7 @@ func TestMemoryProvisionSharesRecords(t *testing.T) {
 
 	old := provision(maxEntries)
 	req := memTestRequest("reload-key-" + randomHex(8))
-	mustAcquire(t, old, req, OutcomeCreated)
+	mustAcquire(t, old, req, store.OutcomeCreated)
 
 	// A reload provisions the new config before cleaning up the old one.
 	reloaded := provision(maxEntries + 1)
@@ -378,12 +381,12 @@ func TestMemoryProvisionSharesRecords(t *testing.T) {
 	if err := old.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	if err := reloaded.Complete(context.Background(), req.Key, req.Token, &Response{Status: 200, Replayable: true}, req.Retention); err != nil {
+	if err := reloaded.Complete(context.Background(), req.Key, req.Token, &store.Response{Status: 200, Replayable: true}, req.Retention); err != nil {
 		t.Fatalf("in-flight request completing after the reload: %v", err)
 	}
 	retry := req
 	retry.Token = newLockToken()
-	if rec := mustAcquire(t, reloaded, retry, OutcomeExisting); rec.Status != StatusCompleted {
+	if rec := mustAcquire(t, reloaded, retry, store.OutcomeExisting); rec.Status != store.StatusCompleted {
 		t.Fatalf("the completed key after the reload: %+v", rec)
 	}
 
@@ -398,7 +401,7 @@ func TestMemoryProvisionSharesRecords(t *testing.T) {
 	}
 	fresh := provision(maxEntries)
 	defer fresh.Cleanup()
-	mustAcquire(t, fresh, req, OutcomeCreated)
+	mustAcquire(t, fresh, req, store.OutcomeCreated)
 }
 
 func TestMemoryProvisionDefaults(t *testing.T) {
@@ -468,7 +471,7 @@ func TestMemoryUnmarshalCaddyfile(t *testing.T) {
 // in its order, the body, and the fields beside them.
 func TestPackedResponseRoundTrip(t *testing.T) {
 	long := strings.Repeat("v", 70000) // a length that takes three varint bytes
-	cases := map[string]*Response{
+	cases := map[string]*store.Response{
 		"headers and body": {Status: 201, Replayable: true, BodySize: 4,
 			Header: http.Header{"Content-Type": {"application/json"}, "Vary": {"Accept", "Origin", ""}, "X-Long": {long}},
 			Body:   []byte("body")},
@@ -545,17 +548,17 @@ func TestKeptBodiesAreCutToTheirSize(t *testing.T) {
 	loose := make([]byte, 10, 64<<10)
 	tight := make([]byte, 100, 110)
 	for name, got := range map[string][]byte{
-		"memory store": packResponse(&Response{Body: loose}).body,
-		"replay cache": cachedResponse(&Response{Body: loose}).Body,
+		"memory store": packResponse(&store.Response{Body: loose}).body,
+		"replay cache": cachedResponse(&store.Response{Body: loose}).Body,
 	} {
 		if len(got) != 10 || cap(got) > 10+256 {
 			t.Errorf("%s keeps a body of %d bytes in a buffer of %d", name, len(got), cap(got))
 		}
 	}
-	if got := packResponse(&Response{Body: tight}).body; &got[0] != &tight[0] {
+	if got := packResponse(&store.Response{Body: tight}).body; &got[0] != &tight[0] {
 		t.Error("the memory store copied a body that fits its buffer")
 	}
-	if got := cachedResponse(&Response{Body: tight}).Body; &got[0] != &tight[0] {
+	if got := cachedResponse(&store.Response{Body: tight}).Body; &got[0] != &tight[0] {
 		t.Error("the replay cache copied a body that fits its buffer")
 	}
 }

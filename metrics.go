@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -233,7 +234,7 @@ func (h *Handler) countResult(repl *caddy.Replacer) {
 // instrumentedStore times each round trip of the store it wraps and
 // counts takeovers and pruned records. It adds no round trip.
 type instrumentedStore struct {
-	Store
+	store.Store
 	m *storeMetrics
 }
 
@@ -251,36 +252,36 @@ func (s instrumentedStore) observe(ctx context.Context, op string, start time.Ti
 // count counts err, the outcome of one lock's operation, if it is an
 // error.
 func (m opMetrics) count(ctx context.Context, err error) {
-	if err != nil && !errors.Is(err, ErrLockLost) && !errors.Is(ctx.Err(), context.Canceled) {
+	if err != nil && !errors.Is(err, store.ErrLockLost) && !errors.Is(ctx.Err(), context.Canceled) {
 		m.errors.Inc()
 	}
 }
 
-func (s instrumentedStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s instrumentedStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	start, epoch := time.Now(), s.m.log.begin()
 	res, err := s.Store.Acquire(ctx, req)
 	s.observe(ctx, opAcquire, start, epoch, err)
-	if err == nil && res.Outcome == OutcomeTakenOver {
+	if err == nil && res.Outcome == store.OutcomeTakenOver {
 		s.m.takeovers.Inc()
 	}
 	return res, err
 }
 
-func (s instrumentedStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (s instrumentedStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Complete(ctx, key, token, resp, retention)
 	s.observe(ctx, opComplete, start, epoch, err)
 	return err
 }
 
-func (s instrumentedStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+func (s instrumentedStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Release(ctx, key, token)
 	s.observe(ctx, opRelease, start, epoch, err)
 	return err
 }
 
-func (s instrumentedStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (s instrumentedStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Renew(ctx, key, token)
 	s.observe(ctx, opRenew, start, epoch, err)
@@ -295,19 +296,20 @@ func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, err
 	return n, err
 }
 
-// Unwrap returns the store that s measures (storeAs).
-func (s instrumentedStore) Unwrap() Store { return s.Store }
+// Unwrap returns the store that s measures (store.As).
+func (s instrumentedStore) Unwrap() store.Store { return s.Store }
 
 // Interface guards
 var (
-	_ Store       = instrumentedStore{}
-	_ LockRenewer = instrumentedStore{}
+	_ store.Store       = instrumentedStore{}
+	_ store.LockRenewer = instrumentedStore{}
+	_ store.Wrapper     = instrumentedStore{}
 )
 
 // RenewLocks implements LockRenewer: one round trip, so one duration;
 // lost locks and errors are counted per lock, as single renewals count
 // them.
-func (s instrumentedStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+func (s instrumentedStore) RenewLocks(ctx context.Context, locks []store.HeldLock) []error {
 	start, epoch := time.Now(), s.m.log.begin()
 	errs := renewLocks(ctx, s.Store, locks)
 	m := s.m.ops[opRenew]

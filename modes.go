@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/http"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -46,9 +47,9 @@ func (h *Handler) provisionModes() error {
 	if h.Wait <= 0 || h.Shadow {
 		return nil
 	}
-	w, ok := storeAs[Waiter](h.store)
+	w, ok := store.As[store.Waiter](h.store)
 	if !ok {
-		return fmt.Errorf("wait: the store %T cannot wake waiting requests", innermost(h.store))
+		return fmt.Errorf("wait: the store %T cannot wake waiting requests", store.Innermost(h.store))
 	}
 	if err := w.EnableWaiting(); err != nil {
 		return fmt.Errorf("wait: %w", err)

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -211,15 +212,15 @@ func TestWaitPostgresListenerReconnects(t *testing.T) {
 // Both stores wake a waiter on completion and on release, and forget a
 // waiter whose context ends.
 func TestWaiterStores(t *testing.T) {
-	stores := map[string]func(t *testing.T) (Store, Waiter){
-		"memory": func(t *testing.T) (Store, Waiter) {
+	stores := map[string]func(t *testing.T) (store.Store, store.Waiter){
+		"memory": func(t *testing.T) (store.Store, store.Waiter) {
 			s, _ := newTestMemoryStore(10)
 			if err := s.EnableWaiting(); err != nil {
 				t.Fatal(err)
 			}
 			return s, s
 		},
-		"postgres": func(t *testing.T) (Store, Waiter) {
+		"postgres": func(t *testing.T) (store.Store, store.Waiter) {
 			s := newTestPostgresStore(t, freshTable(t), 4)
 			if err := s.EnableWaiting(); err != nil {
 				t.Fatal(err)
@@ -256,7 +257,7 @@ func TestWaiterStores(t *testing.T) {
 				otherCh := w.WaitCompleted(wctx, other.Key)
 				var err error
 				if end == "complete" {
-					err = s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}, req.Retention)
+					err = s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}, req.Retention)
 				} else {
 					err = s.Release(ctx, req.Key, req.Token)
 				}

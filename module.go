@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -216,11 +217,11 @@ type Handler struct {
 	explicitKeyHeader, explicitCredHeader string
 	scopeCache                            *atomic.Pointer[scopeCached]
 
-	store     Store
+	store     store.Store
 	cache     *replayCache
 	inProcess bool   // the store does no I/O (storeCall)
 	records   string // the name of the records the store holds (recordsOf)
-	waiter    Waiter
+	waiter    store.Waiter
 	methods   map[string]struct{}
 	excluded  map[string]struct{}
 	logger    *zap.Logger
@@ -334,8 +335,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.storeLog = newStoreLog(h)
 	sm := newStoreMetrics(h.metrics.server)
 	sm.log = h.storeLog
-	h.store, h.cache = wrapStore(mod.(Store), sm, *h.ReplayCache)
-	_, h.inProcess = storeAs[InProcess](h.store)
+	h.store, h.cache = wrapStore(mod.(store.Store), sm, *h.ReplayCache)
+	_, h.inProcess = store.As[store.InProcess](h.store)
 	h.records = recordsOf(h.store)
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
@@ -348,7 +349,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.challenge = authChallenge(h.credHeader)
 	h.executing = new(atomic.Int64)
 	h.keeper = newLockKeeper(h)
-	if d, ok := storeAs[Drainer](h.store); ok {
+	if d, ok := store.As[store.Drainer](h.store); ok {
 		d.DrainWhile(func() bool { return h.executing.Load() > 0 },
 			time.Duration(h.ExecutionTimeout)+time.Duration(h.LockTimeout))
 	}
@@ -373,16 +374,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 // round trips of the store). A cacheSize of 0 leaves the cache out; the
 // cache is returned too, nil then, for the admin API, whose releases
 // evict what it holds. raw's capabilities stay reachable through the
-// chain (storeAs).
-func wrapStore(raw Store, m *storeMetrics, cacheSize int64) (Store, *replayCache) {
-	var s Store = instrumentedStore{raw, m}
+// chain (store.As).
+func wrapStore(raw store.Store, m *storeMetrics, cacheSize int64) (store.Store, *replayCache) {
+	var s store.Store = instrumentedStore{raw, m}
 	if cacheSize <= 0 {
 		return s, nil
 	}
 	// Even in front of the memory store: a hit skips the store's lock
 	// and its defensive copy of the response.
 	rc := newReplayCache(s, cacheSize)
-	_, inProcess := storeAs[InProcess](raw)
+	_, inProcess := store.As[store.InProcess](raw)
 	rc.learnOnComplete = !inProcess
 	return rc, rc
 }
@@ -558,15 +559,15 @@ type request struct {
 	repl *caddy.Replacer
 	next caddyhttp.Handler
 
-	key    string    // the key, as parsed from its header (step 1)
-	rk     RecordKey // the record's key: the key under the credential (step 2)
-	credID string    // the credential, as logs name it (credentialID)
-	fp     [32]byte  // the fingerprint (step 4)
+	key    string          // the key, as parsed from its header (step 1)
+	rk     store.RecordKey // the record's key: the key under the credential (step 2)
+	credID string          // the credential, as logs name it (credentialID)
+	fp     [32]byte        // the fingerprint (step 4)
 	// body is the request's body once it has been read whole
 	// (bodyRead, step 3), which handOn gives back to the request.
 	body     []byte
 	bodyRead bool
-	token    LockToken // this request's claim on its record (step 5)
+	token    store.LockToken // this request's claim on its record (step 5)
 	// dated is when the lock was last dated: no later than when the
 	// store got the acquire, or the renewal, that dated it. Renewals
 	// are timed from it.
@@ -667,7 +668,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 6. An existing record.
-	if acq.Outcome == OutcomeExisting {
+	if acq.Outcome == store.OutcomeExisting {
 		return h.existing(&q, acq.Record)
 	}
 	if refused := h.confirmLate(&q); refused != nil {
@@ -702,7 +703,7 @@ func (h *Handler) confirmLate(q *request) *verdict {
 	}
 	confirmed := time.Now()
 	switch err := h.renew(q.rk, q.token); {
-	case errors.Is(err, ErrLockLost):
+	case errors.Is(err, store.ErrLockLost):
 		h.metrics.lockLost.renew.Inc()
 		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "confirm"))...)
 		return &verdict{resultInProgress, probInProgress, h.retrySecs}
@@ -718,9 +719,9 @@ func (h *Handler) confirmLate(q *request) *verdict {
 }
 
 // acquireRequest describes q to the store, under this handler's timings.
-func (h *Handler) acquireRequest(q *request) AcquireRequest {
+func (h *Handler) acquireRequest(q *request) store.AcquireRequest {
 	method, u := clientRequest(q.r)
-	return AcquireRequest{
+	return store.AcquireRequest{
 		Key:         q.rk,
 		Token:       q.token,
 		Fingerprint: q.fp,
@@ -731,19 +732,19 @@ func (h *Handler) acquireRequest(q *request) AcquireRequest {
 	}
 }
 
-func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) (AcquireResult, error) {
+func (h *Handler) acquire(ctx context.Context, req store.AcquireRequest, host string) (store.AcquireResult, error) {
 	// Not cancelled by the client leaving: a cancelled statement may
 	// have committed all the same, leaving a lock that nobody owns, and
 	// every retry would get 409 until lock_timeout. A request that
 	// acquires after its client left executes and is stored for the
 	// retry, as step 7 has it.
 	if rec := heldHere(h.records, req.Key); rec != nil {
-		return AcquireResult{Outcome: OutcomeExisting, Record: rec}, nil
+		return store.AcquireResult{Outcome: store.OutcomeExisting, Record: rec}, nil
 	}
 	ctx, cancel := h.storeCall(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
 	res, err := h.store.Acquire(ctx, req)
-	if err == nil && res.Outcome == OutcomeTakenOver {
+	if err == nil && res.Outcome == store.OutcomeTakenOver {
 		// Logged here, where every acquire passes (a shadow one, one
 		// while waiting), rather than by each caller.
 		h.logger.Warn("idempotency.takeover", acquireFields(req, host, zap.Duration("lock_timeout", req.LockTimeout))...)
@@ -753,7 +754,7 @@ func (h *Handler) acquire(ctx context.Context, req AcquireRequest, host string) 
 
 // acquireFields are the fields of a line about the acquire req, sent to
 // host: the request's as the store was told them, then extra.
-func acquireFields(req AcquireRequest, host string, extra ...zap.Field) []zap.Field {
+func acquireFields(req store.AcquireRequest, host string, extra ...zap.Field) []zap.Field {
 	return append([]zap.Field{zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
 		zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path)}, extra...)
 }

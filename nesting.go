@@ -17,18 +17,19 @@ import (
 	"fmt"
 	"sync/atomic"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
 // recordsOf names the records that a store module holds: handlers whose
 // stores have the same name read and write the same records. The admin
 // API groups handlers by it too.
-func recordsOf(store Store) string {
-	if rs, ok := storeAs[RecordSet](store); ok {
+func recordsOf(st store.Store) string {
+	if rs, ok := store.As[store.RecordSet](st); ok {
 		return rs.Records()
 	}
 	// Its own records, as far as this package can tell.
-	s := innermost(store)
+	s := store.Innermost(st)
 	return fmt.Sprintf("%T %p", s, s)
 }
 
@@ -40,7 +41,7 @@ type ownedCtxKey struct{}
 // those of the handlers around it.
 type ownedRecord struct {
 	records string
-	key     RecordKey
+	key     store.RecordKey
 	outer   *ownedRecord
 	// unexecuted is set by a handler inside the owner that released its
 	// own record, nothing having run, and answered the request itself
@@ -50,7 +51,7 @@ type ownedRecord struct {
 
 // withOwned returns ctx noting that the request executes under the
 // record key of records, and that note.
-func withOwned(ctx context.Context, records string, key RecordKey) (context.Context, *ownedRecord) {
+func withOwned(ctx context.Context, records string, key store.RecordKey) (context.Context, *ownedRecord) {
 	outer, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord)
 	o := &ownedRecord{records: records, key: key, outer: outer}
 	return context.WithValue(ctx, ownedCtxKey{}, o), o
@@ -66,7 +67,7 @@ func markUnexecuted(ctx context.Context) {
 
 // ownedOnTheWay reports whether a handler that the request passed owns
 // the record key of records and executes the request under it.
-func ownedOnTheWay(ctx context.Context, records string, key RecordKey) bool {
+func ownedOnTheWay(ctx context.Context, records string, key store.RecordKey) bool {
 	for o, _ := ctx.Value(ownedCtxKey{}).(*ownedRecord); o != nil; o = o.outer {
 		if o.records == records && o.key == key {
 			return true

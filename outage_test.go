@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -206,7 +207,7 @@ func crashBackend(t testing.TB, dsn string) {
 
 // acquireOn runs the store's acquire of table for one new key on conn,
 // as a store whose pool holds conn would, and returns its outcome.
-func acquireOn(t *testing.T, conn *pgx.Conn, table string) Outcome {
+func acquireOn(t *testing.T, conn *pgx.Conn, table string) store.Outcome {
 	t.Helper()
 	tn, err := parseTableName(table)
 	if err != nil {
@@ -223,7 +224,7 @@ func acquireOn(t *testing.T, conn *pgx.Conn, table string) Outcome {
 	if err != nil {
 		t.Fatalf("acquire: %v", err)
 	}
-	return Outcome(outcome)
+	return store.Outcome(outcome)
 }
 
 // The timeline is read by every statement: a standby's connection that
@@ -261,7 +262,7 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 
 	promoted := time.Now()
 	pair.Promote(t)
-	if got := acquireOn(t, conn, table); got != OutcomeCreated {
+	if got := acquireOn(t, conn, table); got != store.OutcomeCreated {
 		t.Fatalf("acquire on the promoted server: outcome %d, want created", got)
 	}
 	rows := pgQuery(t, pair.StandbyDSN(), `SELECT p.system_identifier = (SELECT system_identifier FROM pg_control_system()),

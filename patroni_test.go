@@ -28,6 +28,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // patroniTimings are the DCS settings of a run.
@@ -485,7 +487,7 @@ func runPatroniScenario(t *testing.T, c *patroniCluster, name string, crash bool
 		if len(k.attempts) == 0 || !k.attempts[len(k.attempts)-1].ok() {
 			unanswered++
 			example("%s: no 2xx", k.key)
-		} else if table[k.key] != string(StatusCompleted) {
+		} else if table[k.key] != string(store.StatusCompleted) {
 			lost++
 			example("%s: answered 2xx, record %q on the new leader", k.key, table[k.key])
 		}

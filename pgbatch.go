@@ -9,6 +9,8 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // Group commit. Postgres spends most of a statement's cost on the
@@ -54,7 +56,7 @@ type batcher[Req, Res any] struct {
 	// share a statement (an INSERT ... ON CONFLICT DO UPDATE cannot
 	// affect a row twice), so the later follows the earlier (follow)
 	// or waits for the next batch.
-	key func(Req) RecordKey
+	key func(Req) store.RecordKey
 	// size is what a request adds to the statement, in bytes.
 	size func(Req) int
 	// send runs one statement for calls, sorted by key, and sets each
@@ -134,7 +136,7 @@ func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
 	var (
 		batch []*batchCall[Req, Res]
 		rest  = b.queue[:0]
-		leads = make(map[RecordKey]*batchCall[Req, Res], min(len(b.queue), batchRows))
+		leads = make(map[store.RecordKey]*batchCall[Req, Res], min(len(b.queue), batchRows))
 		size  int
 	)
 	for _, c := range b.queue {
@@ -211,7 +213,7 @@ func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
 }
 
 // compareKeys orders record keys as every batch takes its rows.
-func compareKeys(x, y RecordKey) int {
+func compareKeys(x, y store.RecordKey) int {
 	if c := bytes.Compare(x.CredentialHash[:], y.CredentialHash[:]); c != 0 {
 		return c
 	}
@@ -277,14 +279,14 @@ func (st statement) forRows(rows int, args []any) (string, []any) {
 // would have. Not to an acquire whose earlier attempt may have created
 // the record in progress: that record is its own. Anything else, a
 // failed statement included, c sends itself.
-func followAcquire(lead, c *batchCall[queuedAcquire, AcquireResult]) bool {
-	if lead.err != nil || c.req.mayHaveCommitted || lead.res.Outcome != OutcomeExisting || lead.res.Record == nil {
+func followAcquire(lead, c *batchCall[queuedAcquire, store.AcquireResult]) bool {
+	if lead.err != nil || c.req.mayHaveCommitted || lead.res.Outcome != store.OutcomeExisting || lead.res.Record == nil {
 		return false
 	}
-	if lead.res.Record.Status != StatusCompleted && lead.req.Fingerprint != c.req.Fingerprint {
+	if lead.res.Record.Status != store.StatusCompleted && lead.req.Fingerprint != c.req.Fingerprint {
 		return false
 	}
 	rec := *lead.res.Record
-	c.res = AcquireResult{Outcome: OutcomeExisting, Record: &rec}
+	c.res = store.AcquireResult{Outcome: store.OutcomeExisting, Record: &rec}
 	return true
 }

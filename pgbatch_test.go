@@ -11,15 +11,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // sendAcquireBatch runs reqs as one batch, one statement, and returns the
 // calls in the order of reqs.
-func sendAcquireBatch(s *PostgresStore, reqs ...AcquireRequest) []*batchCall[queuedAcquire, AcquireResult] {
-	calls := make([]*batchCall[queuedAcquire, AcquireResult], len(reqs))
+func sendAcquireBatch(s *PostgresStore, reqs ...store.AcquireRequest) []*batchCall[queuedAcquire, store.AcquireResult] {
+	calls := make([]*batchCall[queuedAcquire, store.AcquireResult], len(reqs))
 	for i, r := range reqs {
-		calls[i] = &batchCall[queuedAcquire, AcquireResult]{ctx: context.Background(), req: queuedAcquire{AcquireRequest: r}, done: make(chan struct{})}
+		calls[i] = &batchCall[queuedAcquire, store.AcquireResult]{ctx: context.Background(), req: queuedAcquire{AcquireRequest: r}, done: make(chan struct{})}
 	}
 	s.acquires.sendBatch(slices.Clone(calls))
 	return calls
@@ -34,21 +35,21 @@ func TestPostgresBatchedAcquireGivesEachRowItsOutcome(t *testing.T) {
 
 	fresh := testAcquireRequest("cred", "new", "body")
 	done := testAcquireRequest("cred", "done", "body")
-	mustAcquirePG(t, s, done, OutcomeCreated)
-	if err := s.Complete(ctx, done.Key, done.Token, &Response{Status: 201, Body: []byte("ok"), Replayable: true, BodySize: 2}, done.Retention); err != nil {
+	mustAcquirePG(t, s, done, store.OutcomeCreated)
+	if err := s.Complete(ctx, done.Key, done.Token, &store.Response{Status: 201, Body: []byte("ok"), Replayable: true, BodySize: 2}, done.Retention); err != nil {
 		t.Fatal(err)
 	}
 	busy := testAcquireRequest("cred", "busy", "body")
-	mustAcquirePG(t, s, busy, OutcomeCreated)
+	mustAcquirePG(t, s, busy, store.OutcomeCreated)
 	mine := testAcquireRequest("cred", "mine", "body")
-	mustAcquirePG(t, s, mine, OutcomeCreated)
+	mustAcquirePG(t, s, mine, store.OutcomeCreated)
 	stale := testAcquireRequest("cred", "stale", "body")
-	mustAcquirePG(t, s, stale, OutcomeCreated)
+	mustAcquirePG(t, s, stale, store.OutcomeCreated)
 	staleOther := testAcquireRequest("cred", "stale-other", "body")
-	mustAcquirePG(t, s, staleOther, OutcomeCreated)
+	mustAcquirePG(t, s, staleOther, store.OutcomeCreated)
 	expired := testAcquireRequest("cred", "expired", "body")
-	mustAcquirePG(t, s, expired, OutcomeCreated)
-	if err := s.Complete(ctx, expired.Key, expired.Token, &Response{Status: 201, Replayable: true}, expired.Retention); err != nil {
+	mustAcquirePG(t, s, expired, store.OutcomeCreated)
+	if err := s.Complete(ctx, expired.Key, expired.Token, &store.Response{Status: 201, Replayable: true}, expired.Retention); err != nil {
 		t.Fatal(err)
 	}
 	otherTenant := testAcquireRequest("another cred", "done", "body")
@@ -61,12 +62,12 @@ WHERE key IN ('stale', 'stale-other')`)
 		fresh, retryRequest(done), retryRequest(busy), mine, retryRequest(stale),
 		testAcquireRequest("cred", "stale-other", "another body"), retryRequest(expired), otherTenant)
 	want := []struct {
-		outcome Outcome
-		status  Status
+		outcome store.Outcome
+		status  store.Status
 	}{
-		{OutcomeCreated, ""}, {OutcomeExisting, StatusCompleted}, {OutcomeExisting, StatusInProgress},
-		{OutcomeCreated, ""}, {OutcomeTakenOver, ""}, {OutcomeExisting, StatusInProgress},
-		{OutcomeCreated, ""}, {OutcomeCreated, ""},
+		{store.OutcomeCreated, ""}, {store.OutcomeExisting, store.StatusCompleted}, {store.OutcomeExisting, store.StatusInProgress},
+		{store.OutcomeCreated, ""}, {store.OutcomeTakenOver, ""}, {store.OutcomeExisting, store.StatusInProgress},
+		{store.OutcomeCreated, ""}, {store.OutcomeCreated, ""},
 	}
 	for i, c := range calls {
 		if c.err != nil {
@@ -102,10 +103,10 @@ func TestPostgresBatchedCompleteGivesEachRowItsOutcome(t *testing.T) {
 	t.Parallel()
 	s := newTestPostgresStore(t, freshTable(t), 2)
 	mustExec(t, s, "ALTER TABLE "+s.table.quoted()+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 5)")
-	var reqs []AcquireRequest
+	var reqs []store.AcquireRequest
 	for i := range 4 {
 		r := testAcquireRequest("cred", fmt.Sprintf("key-%d", i), "body")
-		mustAcquirePG(t, s, r, OutcomeCreated)
+		mustAcquirePG(t, s, r, store.OutcomeCreated)
 		reqs = append(reqs, r)
 	}
 	send := func(rs ...ownedRequest) []*batchCall[ownedRequest, bool] {
@@ -148,10 +149,10 @@ func TestBatcherDefersDuplicateKeys(t *testing.T) {
 		mu      sync.Mutex
 		batches [][]string
 	)
-	b := &batcher[RecordKey, bool]{
+	b := &batcher[store.RecordKey, bool]{
 		lanes: 1,
-		key:   func(k RecordKey) RecordKey { return k },
-		send: func(_ context.Context, calls []*batchCall[RecordKey, bool]) {
+		key:   func(k store.RecordKey) store.RecordKey { return k },
+		send: func(_ context.Context, calls []*batchCall[store.RecordKey, bool]) {
 			var keys []string
 			for _, c := range calls {
 				keys = append(keys, c.req.Key)
@@ -163,7 +164,7 @@ func TestBatcherDefersDuplicateKeys(t *testing.T) {
 			<-release
 		},
 	}
-	key := func(k string) RecordKey { return RecordKey{Key: k} }
+	key := func(k string) store.RecordKey { return store.RecordKey{Key: k} }
 	var wg sync.WaitGroup
 	do := func(k string) {
 		wg.Go(func() {
@@ -242,20 +243,20 @@ func TestPostgresBatchesOfTwoInstancesNeverDeadlock(t *testing.T) {
 						fail("acquire", err)
 						return
 					}
-					if res.Outcome == OutcomeExisting {
+					if res.Outcome == store.OutcomeExisting {
 						continue
 					}
 					owned.Add(1)
-					if err := s.Renew(context.Background(), req.Key, req.Token); err != nil && !errors.Is(err, ErrLockLost) {
+					if err := s.Renew(context.Background(), req.Key, req.Token); err != nil && !errors.Is(err, store.ErrLockLost) {
 						fail("renew", err)
 						return
 					}
 					if rng.IntN(4) == 0 {
-						err = s.Complete(context.Background(), req.Key, req.Token, &Response{Status: 201, Replayable: true}, req.Retention)
+						err = s.Complete(context.Background(), req.Key, req.Token, &store.Response{Status: 201, Replayable: true}, req.Retention)
 					} else {
 						err = s.Release(context.Background(), req.Key, req.Token)
 					}
-					if err != nil && !errors.Is(err, ErrLockLost) {
+					if err != nil && !errors.Is(err, store.ErrLockLost) {
 						fail("complete or release", err)
 						return
 					}
@@ -294,7 +295,7 @@ func TestBatcherFollowersRideOnTheLead(t *testing.T) {
 	)
 	b := &batcher[req, int32]{
 		lanes: 1,
-		key:   func(r req) RecordKey { return RecordKey{Key: r.key} },
+		key:   func(r req) store.RecordKey { return store.RecordKey{Key: r.key} },
 		send: func(_ context.Context, calls []*batchCall[req, int32]) {
 			var keys []string
 			for _, c := range calls {
@@ -368,35 +369,35 @@ func TestBatcherFollowersRideOnTheLead(t *testing.T) {
 // and sharing a failure or a creation.
 func TestFollowAcquire(t *testing.T) {
 	fp := func(s string) (f [32]byte) { copy(f[:], s); return f }
-	existing := func(status Status, fingerprint string) AcquireResult {
-		return AcquireResult{Outcome: OutcomeExisting, Record: &Record{Status: status, Fingerprint: fp(fingerprint)}}
+	existing := func(status store.Status, fingerprint string) store.AcquireResult {
+		return store.AcquireResult{Outcome: store.OutcomeExisting, Record: &store.Record{Status: status, Fingerprint: fp(fingerprint)}}
 	}
-	call := func(fingerprint string, mayHaveCommitted bool, res AcquireResult, err error) *batchCall[queuedAcquire, AcquireResult] {
-		return &batchCall[queuedAcquire, AcquireResult]{
-			req: queuedAcquire{AcquireRequest: AcquireRequest{Fingerprint: fp(fingerprint)}, mayHaveCommitted: mayHaveCommitted},
+	call := func(fingerprint string, mayHaveCommitted bool, res store.AcquireResult, err error) *batchCall[queuedAcquire, store.AcquireResult] {
+		return &batchCall[queuedAcquire, store.AcquireResult]{
+			req: queuedAcquire{AcquireRequest: store.AcquireRequest{Fingerprint: fp(fingerprint)}, mayHaveCommitted: mayHaveCommitted},
 			res: res, err: err,
 		}
 	}
 	for _, tc := range []struct {
 		name   string
-		lead   *batchCall[queuedAcquire, AcquireResult]
-		follow *batchCall[queuedAcquire, AcquireResult]
+		lead   *batchCall[queuedAcquire, store.AcquireResult]
+		follow *batchCall[queuedAcquire, store.AcquireResult]
 		want   bool
 	}{
-		{"completed, same request", call("x", false, existing(StatusCompleted, "x"), nil), call("x", false, AcquireResult{}, nil), true},
-		{"completed, another request", call("x", false, existing(StatusCompleted, "x"), nil), call("y", false, AcquireResult{}, nil), true},
-		{"in progress, same request", call("x", false, existing(StatusInProgress, "x"), nil), call("x", false, AcquireResult{}, nil), true},
-		{"in progress, another request", call("y", false, existing(StatusInProgress, "x"), nil), call("x", false, AcquireResult{}, nil), false},
-		{"in progress, its own earlier attempt", call("x", false, existing(StatusInProgress, "x"), nil), call("x", true, AcquireResult{}, nil), false},
-		{"created", call("x", false, AcquireResult{Outcome: OutcomeCreated}, nil), call("x", false, AcquireResult{}, nil), false},
-		{"taken over", call("x", false, AcquireResult{Outcome: OutcomeTakenOver}, nil), call("x", false, AcquireResult{}, nil), false},
-		{"failed", call("x", false, AcquireResult{}, errors.New("conn closed")), call("x", false, AcquireResult{}, nil), false},
+		{"completed, same request", call("x", false, existing(store.StatusCompleted, "x"), nil), call("x", false, store.AcquireResult{}, nil), true},
+		{"completed, another request", call("x", false, existing(store.StatusCompleted, "x"), nil), call("y", false, store.AcquireResult{}, nil), true},
+		{"in progress, same request", call("x", false, existing(store.StatusInProgress, "x"), nil), call("x", false, store.AcquireResult{}, nil), true},
+		{"in progress, another request", call("y", false, existing(store.StatusInProgress, "x"), nil), call("x", false, store.AcquireResult{}, nil), false},
+		{"in progress, its own earlier attempt", call("x", false, existing(store.StatusInProgress, "x"), nil), call("x", true, store.AcquireResult{}, nil), false},
+		{"created", call("x", false, store.AcquireResult{Outcome: store.OutcomeCreated}, nil), call("x", false, store.AcquireResult{}, nil), false},
+		{"taken over", call("x", false, store.AcquireResult{Outcome: store.OutcomeTakenOver}, nil), call("x", false, store.AcquireResult{}, nil), false},
+		{"failed", call("x", false, store.AcquireResult{}, errors.New("conn closed")), call("x", false, store.AcquireResult{}, nil), false},
 	} {
 		got := followAcquire(tc.lead, tc.follow)
 		if got != tc.want {
 			t.Errorf("%s: follows %v, want %v", tc.name, got, tc.want)
 		}
-		if got && (tc.follow.res.Outcome != OutcomeExisting || tc.follow.res.Record == tc.lead.res.Record ||
+		if got && (tc.follow.res.Outcome != store.OutcomeExisting || tc.follow.res.Record == tc.lead.res.Record ||
 			tc.follow.res.Record.Status != tc.lead.res.Record.Status) {
 			t.Errorf("%s: the follower got %+v, want a copy of the lead's record", tc.name, tc.follow.res)
 		}
@@ -412,7 +413,7 @@ func TestPostgresAcquiresOfOneKeyShareStatements(t *testing.T) {
 	statementCounter.watch(t, table)
 	s := newTestPostgresStore(t, table, 8)
 	first := testAcquireRequest("cred", "flooded", "body")
-	mustAcquirePG(t, s, first, OutcomeCreated)
+	mustAcquirePG(t, s, first, store.OutcomeCreated)
 	statementCounter.take(table)
 	const flood = 400
 	var (
@@ -423,7 +424,7 @@ func TestPostgresAcquiresOfOneKeyShareStatements(t *testing.T) {
 		wg.Go(func() {
 			<-start
 			res, err := s.Acquire(context.Background(), retryRequest(first))
-			if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
+			if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusInProgress {
 				t.Errorf("acquire: %+v, %v; want the record in progress", res, err)
 			}
 		})

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -93,7 +94,7 @@ func TestReadOnlyNodeIsLeft(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range 8 {
 		wg.Go(func() {
-			mustAcquirePG(t, s, testAcquireRequest("cred", fmt.Sprintf("warm-%d", i), "{}"), OutcomeCreated)
+			mustAcquirePG(t, s, testAcquireRequest("cred", fmt.Sprintf("warm-%d", i), "{}"), store.OutcomeCreated)
 		})
 	}
 	wg.Wait()
@@ -112,7 +113,7 @@ func TestReadOnlyNodeIsLeft(t *testing.T) {
 			errs = append(errs, err)
 			continue
 		}
-		if res.Outcome != OutcomeCreated {
+		if res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire after the demotion: outcome %v", res.Outcome)
 		}
 		if n := pgQuery(t, b.PrimaryDSN(), "SELECT count(*) FROM idempotency_keys WHERE key = $1", req.Key.Key)[0][0]; n != "1" {

@@ -18,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -93,15 +94,15 @@ func (s *PostgresStore) EnableWaiting() error {
 // host and port of a pooled dsn. Its LISTEN would land on a server
 // connection that the pooler hands to other clients, and waiters would
 // answer only at their deadline, with nothing to say why.
-func directListenDSN(listen, store *pgx.ConnConfig) error {
+func directListenDSN(listen, st *pgx.ConnConfig) error {
 	if pooledDSN(listen) {
 		return fmt.Errorf("postgres store: listen_dsn asks for default_query_exec_mode=%s, so it is taken to go through a transaction pooler, which cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database, in pgx's default mode", listen.DefaultQueryExecMode)
 	}
-	if !pooledDSN(store) {
+	if !pooledDSN(st) {
 		return nil
 	}
 	for _, l := range endpoints(listen) {
-		for _, d := range endpoints(store) {
+		for _, d := range endpoints(st) {
 			if l.port == d.port && sameHost(l.host, d.host) {
 				return fmt.Errorf("postgres store: listen_dsn names the host and port of dsn (%s:%d), which goes through a transaction pooler and cannot carry the LISTEN that wait needs: give listen_dsn a direct connection to the database", l.host, l.port)
 			}
@@ -142,7 +143,7 @@ func sameHost(a, b string) bool {
 }
 
 // WaitCompleted implements Waiter.
-func (s *PostgresStore) WaitCompleted(ctx context.Context, key RecordKey) <-chan struct{} {
+func (s *PostgresStore) WaitCompleted(ctx context.Context, key store.RecordKey) <-chan struct{} {
 	return s.listener.waits.wait(ctx, pgWaitKey{s.channel, notifyPayload(key)})
 }
 
@@ -165,7 +166,7 @@ func notifyChannel(t tableName) string {
 
 // notifyPayload names a record in a notification without revealing its
 // key: NOTIFY payloads are visible to every listener of the database.
-func notifyPayload(key RecordKey) string {
+func notifyPayload(key store.RecordKey) string {
 	h := sha256.New()
 	h.Write(key.CredentialHash[:])
 	h.Write([]byte(key.Key))
@@ -353,6 +354,6 @@ func (l *pgListener) receive(ctx context.Context, conn *pgx.Conn, changed <-chan
 
 // Interface guards
 var (
-	_ Waiter           = (*PostgresStore)(nil)
+	_ store.Waiter     = (*PostgresStore)(nil)
 	_ caddy.Destructor = (*pgListener)(nil)
 )

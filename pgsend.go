@@ -8,13 +8,14 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 )
 
 // queuedAcquire is an acquire as its batcher queues it. mayHaveCommitted:
 // an earlier attempt of the same acquire may have committed.
 type queuedAcquire struct {
-	AcquireRequest
+	store.AcquireRequest
 	mayHaveCommitted bool
 }
 
@@ -30,7 +31,7 @@ type queuedAcquire struct {
 // serve the owners first (whose statements have batchers of their own):
 // under overload, new requests are slowed or refused (503, after the
 // store timeout), never the ones in flight.
-func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcquire, AcquireResult]) {
+func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcquire, store.AcquireResult]) {
 	fail := func(err error) {
 		for _, c := range calls {
 			c.err = err
@@ -99,12 +100,12 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 		case outcome < 0:
 			c.err = pgx.ErrNoRows
 			continue
-		case Outcome(outcome) != OutcomeExisting:
-			c.res = AcquireResult{Outcome: Outcome(outcome)}
+		case store.Outcome(outcome) != store.OutcomeExisting:
+			c.res = store.AcquireResult{Outcome: store.Outcome(outcome)}
 			continue
 		}
-		rec := Record{
-			Status:    Status(*status),
+		rec := store.Record{
+			Status:    store.Status(*status),
 			Method:    *method,
 			Path:      *path,
 			CreatedAt: createdAt.UTC(),
@@ -118,7 +119,7 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 		if lockedUntil != nil {
 			rec.LockedUntil = lockedUntil.UTC()
 		}
-		if rec.Status == StatusCompleted {
+		if rec.Status == store.StatusCompleted {
 			resp := storedResponse(respStatus, replayable, respSize, respBody)
 			var err error
 			if resp.Header, err = decodeHeaders(respHeaders); err != nil {
@@ -127,7 +128,7 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 			}
 			rec.Response = resp
 		}
-		c.res = AcquireResult{Outcome: OutcomeExisting, Record: &rec}
+		c.res = store.AcquireResult{Outcome: store.OutcomeExisting, Record: &rec}
 	}
 	rows.Close()
 	if err == nil {
@@ -144,8 +145,8 @@ func (s *PostgresStore) sendAcquires(ctx context.Context, calls []*batchCall[que
 
 // storedResponse is the response of a completed record, from its
 // columns but the headers, which each caller decodes as it needs.
-func storedResponse(status *int32, replayable *bool, size *int64, body []byte) *Response {
-	resp := &Response{Body: body}
+func storedResponse(status *int32, replayable *bool, size *int64, body []byte) *store.Response {
+	resp := &store.Response{Body: body}
 	if status != nil {
 		resp.Status = int(*status)
 	}
@@ -161,8 +162,8 @@ func storedResponse(status *int32, replayable *bool, size *int64, body []byte) *
 // ownedRequest is a statement on a record that the caller owns under
 // token: a completion (with resp), a release or a renewal.
 type ownedRequest struct {
-	key   RecordKey
-	token LockToken
+	key   store.RecordKey
+	token store.LockToken
 	resp  *completion
 }
 
@@ -184,7 +185,7 @@ type ownedBatcher = batcher[ownedRequest, bool]
 func (s *PostgresStore) newOwnedBatcher(op string, sql *statement) *ownedBatcher {
 	return &ownedBatcher{
 		lanes: batchLanes,
-		key:   func(r ownedRequest) RecordKey { return r.key },
+		key:   func(r ownedRequest) store.RecordKey { return r.key },
 		size: func(r ownedRequest) int {
 			if r.resp == nil {
 				return 0
@@ -206,7 +207,7 @@ func (s *PostgresStore) execOwned(ctx context.Context, b *ownedBatcher, req owne
 		return err
 	}
 	if !changed {
-		return ErrLockLost
+		return store.ErrLockLost
 	}
 	return nil
 }

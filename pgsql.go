@@ -3,7 +3,11 @@ package idempotency
 // The Postgres store's SQL text: the statements of one table, built once
 // at Provision.
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/caddy-idempotency/idempotency/store"
+)
 
 // postgresSQL holds the statements of one table. They are built once, at
 // Provision, because the table name cannot be a query parameter.
@@ -320,7 +324,7 @@ SELECT i.n, CASE
 FROM input AS i
 LEFT JOIN claimed AS c ON c.credential_hash = i.in_hash AND c.key = i.in_key
 LEFT JOIN found AS f ON f.n = i.n`,
-			table, OutcomeCreated, OutcomeTakenOver, OutcomeExisting, recordColumns,
+			table, store.OutcomeCreated, store.OutcomeTakenOver, store.OutcomeExisting, recordColumns,
 			leaseEndSQL(since, "r", "(excluded.locked_until - excluded.locked_at)"), microseconds, recordColumnNames, rows, notePrimarySQL(t),
 			leaseEndSQL(since, "r", "NULL::interval"), thisPrimaryCTE(t), primarySinceFrom("first_seen"))
 	})

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
@@ -27,9 +28,9 @@ const acquireAttempts = 5
 
 // Acquire implements Store. The acquires of concurrent requests share
 // statements (pgbatch.go); each request gets its own outcome.
-func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s *PostgresStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	if err := s.ready(ctx); err != nil {
-		return AcquireResult{}, err
+		return store.AcquireResult{}, err
 	}
 	contended, start := 0, time.Now()
 	// mayHaveCommitted: an attempt's statement may have reached the
@@ -42,7 +43,7 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 			if contended++; contended < acquireAttempts {
 				continue
 			}
-			return AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
+			return store.AcquireResult{}, fmt.Errorf("postgres store: acquire: key still contended after %d attempts", acquireAttempts)
 		case err == nil:
 			return res, nil
 		}
@@ -67,14 +68,14 @@ func (s *PostgresStore) Acquire(ctx context.Context, req AcquireRequest) (Acquir
 		// primary again.
 		mayHaveCommitted = mayHaveCommitted || connectionLost(err) && !refused && !pgconn.SafeToRetry(err)
 		if !connectionLost(err) && !readOnly(err) || refused && !mayHaveCommitted || ctx.Err() != nil || time.Since(start)+backoff > storeTimeout {
-			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
+			return store.AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 		t := time.NewTimer(backoff)
 		select {
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
+			return store.AcquireResult{}, fmt.Errorf("postgres store: acquire: %w", err)
 		}
 	}
 }
@@ -93,7 +94,7 @@ func connectionLost(err error) bool {
 }
 
 // Complete implements Store.
-func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (s *PostgresStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	// NULL marks a body that was not kept; an empty body is kept as ''.
 	var body []byte
 	if resp.Replayable {
@@ -107,9 +108,9 @@ func (s *PostgresStore) Complete(ctx context.Context, key RecordKey, token LockT
 		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
 	}})
 	if permanentError(err) {
-		return fmt.Errorf("%w: %w", ErrUnstorable, err)
+		return fmt.Errorf("%w: %w", store.ErrUnstorable, err)
 	}
-	if errors.Is(err, ErrLockLost) {
+	if errors.Is(err, store.ErrLockLost) {
 		// An earlier attempt whose reply was lost may have completed it.
 		return s.afterLockLost(ctx, opComplete, s.sql.completedBy, key.CredentialHash[:], key.Key, token[:])
 	}
@@ -128,7 +129,7 @@ func (s *PostgresStore) afterLockLost(ctx context.Context, op, check string, arg
 	if done {
 		return nil
 	}
-	return ErrLockLost
+	return store.ErrLockLost
 }
 
 // permanentError reports whether err is the database refusing the
@@ -150,16 +151,16 @@ func permanentError(err error) bool {
 // Release implements Store. A record that is gone counts as released:
 // an earlier attempt whose reply was lost, or an operator, deleted it;
 // either way the key is free.
-func (s *PostgresStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+func (s *PostgresStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	err := s.execOwned(ctx, s.releases, ownedRequest{key: key, token: token})
-	if errors.Is(err, ErrLockLost) {
+	if errors.Is(err, store.ErrLockLost) {
 		return s.afterLockLost(ctx, opRelease, s.sql.gone, key.CredentialHash[:], key.Key)
 	}
 	return err
 }
 
 // Renew implements Store.
-func (s *PostgresStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (s *PostgresStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	return s.execOwned(ctx, s.renewals, ownedRequest{key: key, token: token})
 }
 
@@ -172,7 +173,7 @@ const renewChunk = 4096
 // statement (one per renewChunk locks), outside the renewal batcher,
 // which serves the single renewals that confirm a late acquire. Like
 // every statement of an owner, it never waits behind acquires.
-func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []error {
+func (s *PostgresStore) RenewLocks(ctx context.Context, locks []store.HeldLock) []error {
 	// The rows go in the batches' order (sendBatch): order holds the
 	// locks' indexes sorted so.
 	order := make([]int, len(locks))
@@ -193,7 +194,7 @@ func (s *PostgresStore) RenewLocks(ctx context.Context, locks []HeldLock) []erro
 			case c.err != nil:
 				errs[part[i]] = c.err
 			case !c.res:
-				errs[part[i]] = ErrLockLost
+				errs[part[i]] = store.ErrLockLost
 			}
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/jackc/pgx/v5"
@@ -83,7 +84,7 @@ type PostgresStore struct {
 	busy     func() bool
 	drainMax time.Duration
 	// The batchers of the request path's statements (pgbatch.go).
-	acquires                      *batcher[queuedAcquire, AcquireResult]
+	acquires                      *batcher[queuedAcquire, store.AcquireResult]
 	completes, releases, renewals *ownedBatcher
 	// listener, listenKey (its DSN) and channel are set by
 	// EnableWaiting (pglisten.go).
@@ -252,9 +253,9 @@ func (s *PostgresStore) Provision(ctx caddy.Context) error {
 	shared := val.(sharedPool)
 	s.pool, s.admitted, s.prepares, s.execModeNamed = shared.Pool, shared.admitted, shared.prepares, shared.execModeNamed
 	s.sql = newPostgresSQL(s.table)
-	s.acquires = &batcher[queuedAcquire, AcquireResult]{
+	s.acquires = &batcher[queuedAcquire, store.AcquireResult]{
 		lanes:  min(batchLanes, acquireSlots(s.MaxConns)),
-		key:    func(r queuedAcquire) RecordKey { return r.Key },
+		key:    func(r queuedAcquire) store.RecordKey { return r.Key },
 		send:   s.sendAcquires,
 		follow: followAcquire,
 	}
@@ -321,10 +322,10 @@ var (
 	_ caddy.Validator       = (*PostgresStore)(nil)
 	_ caddy.CleanerUpper    = (*PostgresStore)(nil)
 	_ caddyfile.Unmarshaler = (*PostgresStore)(nil)
-	_ Store                 = (*PostgresStore)(nil)
-	_ LockRenewer           = (*PostgresStore)(nil)
-	_ SecretKeeper          = (*PostgresStore)(nil)
-	_ Drainer               = (*PostgresStore)(nil)
-	_ RecordSet             = (*PostgresStore)(nil)
+	_ store.Store           = (*PostgresStore)(nil)
+	_ store.LockRenewer     = (*PostgresStore)(nil)
+	_ store.SecretKeeper    = (*PostgresStore)(nil)
+	_ store.Drainer         = (*PostgresStore)(nil)
+	_ store.RecordSet       = (*PostgresStore)(nil)
 	_ caddy.Destructor      = sharedPool{}
 )

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/jackc/pgx/v5"
@@ -28,11 +29,11 @@ func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
 	req := testAcquireRequest("cred", "key-00000001", `{"amount":100}`)
 
 	before := time.Now()
-	mustAcquirePG(t, s, req, OutcomeCreated)
+	mustAcquirePG(t, s, req, store.OutcomeCreated)
 
-	res := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting)
+	res := mustAcquirePG(t, s, retryRequest(req), store.OutcomeExisting)
 	rec := res.Record
-	if rec.Status != StatusInProgress || rec.Fingerprint != req.Fingerprint ||
+	if rec.Status != store.StatusInProgress || rec.Fingerprint != req.Fingerprint ||
 		rec.Method != req.Method || rec.Path != req.Path || rec.Response != nil {
 		t.Errorf("record = %+v", rec)
 	}
@@ -48,7 +49,7 @@ func TestPostgresAcquireCreatesThenReturnsExisting(t *testing.T) {
 	// Another credential's identical key is another record.
 	other := retryRequest(req)
 	other.Key.CredentialHash = sha256.Sum256([]byte("tenant B"))
-	mustAcquirePG(t, s, other, OutcomeCreated)
+	mustAcquirePG(t, s, other, store.OutcomeCreated)
 }
 
 func TestPostgresCompleteThenReplay(t *testing.T) {
@@ -56,12 +57,12 @@ func TestPostgresCompleteThenReplay(t *testing.T) {
 	s := newTestPostgresStore(t, freshTable(t), 8)
 	tests := []struct {
 		name string
-		resp Response
-		want Response
+		resp store.Response
+		want store.Response
 	}{
 		{
 			name: "headers and body",
-			resp: Response{
+			resp: store.Response{
 				Status: http.StatusCreated,
 				Header: http.Header{
 					"Content-Type": {"application/json"},
@@ -75,19 +76,19 @@ func TestPostgresCompleteThenReplay(t *testing.T) {
 		},
 		{
 			name: "empty body, no headers",
-			resp: Response{Status: http.StatusNoContent, Replayable: true},
-			want: Response{Status: http.StatusNoContent, Header: http.Header{}, Body: []byte{}, Replayable: true},
+			resp: store.Response{Status: http.StatusNoContent, Replayable: true},
+			want: store.Response{Status: http.StatusNoContent, Header: http.Header{}, Body: []byte{}, Replayable: true},
 		},
 		{
 			name: "body too large to keep",
-			resp: Response{
+			resp: store.Response{
 				Status:     http.StatusOK,
 				Header:     http.Header{"Content-Type": {"text/csv"}},
 				Body:       []byte("partial bytes the store must not keep"),
 				Replayable: false,
 				BodySize:   5 << 20,
 			},
-			want: Response{
+			want: store.Response{
 				Status:   http.StatusOK,
 				Header:   http.Header{"Content-Type": {"text/csv"}},
 				BodySize: 5 << 20,
@@ -97,12 +98,12 @@ func TestPostgresCompleteThenReplay(t *testing.T) {
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			req := testAcquireRequest("cred", fmt.Sprintf("complete-%d", i), "body")
-			mustAcquirePG(t, s, req, OutcomeCreated)
+			mustAcquirePG(t, s, req, store.OutcomeCreated)
 			if err := s.Complete(context.Background(), req.Key, req.Token, &tt.resp, req.Retention); err != nil {
 				t.Fatalf("complete: %v", err)
 			}
-			rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
-			if rec.Status != StatusCompleted || !rec.LockedAt.IsZero() {
+			rec := mustAcquirePG(t, s, retryRequest(req), store.OutcomeExisting).Record
+			if rec.Status != store.StatusCompleted || !rec.LockedAt.IsZero() {
 				t.Errorf("status %q, locked_at %v", rec.Status, rec.LockedAt)
 			}
 			want := tt.want
@@ -122,13 +123,13 @@ func TestPostgresConcurrentAcquireHasOneWinner(t *testing.T) {
 	req := testAcquireRequest("cred", "race-0000001", "body")
 
 	outcomes := raceAcquire(t, s, req, callers)
-	if outcomes[OutcomeCreated] != 1 || outcomes[OutcomeExisting] != callers-1 {
+	if outcomes[store.OutcomeCreated] != 1 || outcomes[store.OutcomeExisting] != callers-1 {
 		t.Fatalf("outcomes = %v, want one created and %d existing", outcomes, callers-1)
 	}
 }
 
 // raceAcquire makes n callers acquire req at once and counts the outcomes.
-func raceAcquire(t *testing.T, s *PostgresStore, req AcquireRequest, n int) map[Outcome]int {
+func raceAcquire(t *testing.T, s *PostgresStore, req store.AcquireRequest, n int) map[store.Outcome]int {
 	t.Helper()
 	// Open the connections first, so that the callers race on the row
 	// rather than on dialling.
@@ -146,7 +147,7 @@ func raceAcquire(t *testing.T, s *PostgresStore, req AcquireRequest, n int) map[
 
 	var (
 		mu       sync.Mutex
-		outcomes = make(map[Outcome]int)
+		outcomes = make(map[store.Outcome]int)
 		start    = make(chan struct{})
 		wg       sync.WaitGroup
 	)
@@ -173,8 +174,8 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 	s := newTestPostgresStore(t, freshTable(t), callers)
 	ctx := context.Background()
 	owner := testAcquireRequest("cred", "stale-000001", "body")
-	mustAcquirePG(t, s, owner, OutcomeCreated)
-	created := mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting).Record.CreatedAt
+	mustAcquirePG(t, s, owner, store.OutcomeCreated)
+	created := mustAcquirePG(t, s, retryRequest(owner), store.OutcomeExisting).Record.CreatedAt
 
 	// The owner died an hour ago.
 	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET locked_at = now() - interval '1 hour', locked_until = now() - interval '1 hour' + interval '30 seconds'")
@@ -182,25 +183,25 @@ func TestPostgresStaleLockTakeover(t *testing.T) {
 
 	t.Run("other request does not take over", func(t *testing.T) {
 		other := testAcquireRequest("cred", owner.Key.Key, "another body")
-		rec := mustAcquirePG(t, s, other, OutcomeExisting).Record
+		rec := mustAcquirePG(t, s, other, store.OutcomeExisting).Record
 		if rec.Fingerprint != owner.Fingerprint {
 			t.Errorf("the record's fingerprint changed")
 		}
 	})
 
 	outcomes := raceAcquire(t, s, owner, callers)
-	if outcomes[OutcomeTakenOver] != 1 || outcomes[OutcomeExisting] != callers-1 {
+	if outcomes[store.OutcomeTakenOver] != 1 || outcomes[store.OutcomeExisting] != callers-1 {
 		t.Fatalf("outcomes = %v, want one taken over and %d existing", outcomes, callers-1)
 	}
 
-	rec := mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting).Record
+	rec := mustAcquirePG(t, s, retryRequest(owner), store.OutcomeExisting).Record
 	if !rec.CreatedAt.Equal(created) {
 		t.Errorf("created_at moved from %v to %v on takeover", created, rec.CreatedAt)
 	}
 	if age := time.Since(rec.LockedAt); age > 10*time.Second {
 		t.Errorf("lock is %v old after takeover", age)
 	}
-	if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 200, Replayable: true}, owner.Retention); !errors.Is(err, ErrLockLost) {
+	if err := s.Complete(ctx, owner.Key, owner.Token, &store.Response{Status: 200, Replayable: true}, owner.Retention); !errors.Is(err, store.ErrLockLost) {
 		t.Errorf("the dead owner's complete: %v, want ErrLockLost", err)
 	}
 }
@@ -213,7 +214,7 @@ func TestPostgresRenewPreventsTakeover(t *testing.T) {
 	// A 1s lock: a retry's acquire after a renewal may wait a while on a
 	// loaded machine, and must still find the lock held.
 	owner.LockTimeout = time.Second
-	mustAcquirePG(t, s, owner, OutcomeCreated)
+	mustAcquirePG(t, s, owner, store.OutcomeCreated)
 
 	// Four lock timeouts long: without the renewals, the retries would
 	// take over from the third one on.
@@ -222,12 +223,12 @@ func TestPostgresRenewPreventsTakeover(t *testing.T) {
 		if err := s.Renew(ctx, owner.Key, owner.Token); err != nil {
 			t.Fatalf("renew: %v", err)
 		}
-		mustAcquirePG(t, s, retryRequest(owner), OutcomeExisting)
+		mustAcquirePG(t, s, retryRequest(owner), store.OutcomeExisting)
 	}
 
 	time.Sleep(2 * owner.LockTimeout)
-	mustAcquirePG(t, s, retryRequest(owner), OutcomeTakenOver)
-	if err := s.Renew(ctx, owner.Key, owner.Token); !errors.Is(err, ErrLockLost) {
+	mustAcquirePG(t, s, retryRequest(owner), store.OutcomeTakenOver)
+	if err := s.Renew(ctx, owner.Key, owner.Token); !errors.Is(err, store.ErrLockLost) {
 		t.Errorf("renew after takeover: %v, want ErrLockLost", err)
 	}
 }
@@ -236,16 +237,16 @@ func TestPostgresLockLost(t *testing.T) {
 	t.Parallel()
 	s := newTestPostgresStore(t, freshTable(t), 8)
 	ctx := context.Background()
-	resp := &Response{Status: http.StatusOK, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}
-	ops := map[string]func(RecordKey, LockToken) error{
-		"complete": func(k RecordKey, tok LockToken) error { return s.Complete(ctx, k, tok, resp, time.Hour) },
-		"release":  func(k RecordKey, tok LockToken) error { return s.Release(ctx, k, tok) },
-		"renew":    func(k RecordKey, tok LockToken) error { return s.Renew(ctx, k, tok) },
+	resp := &store.Response{Status: http.StatusOK, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}
+	ops := map[string]func(store.RecordKey, store.LockToken) error{
+		"complete": func(k store.RecordKey, tok store.LockToken) error { return s.Complete(ctx, k, tok, resp, time.Hour) },
+		"release":  func(k store.RecordKey, tok store.LockToken) error { return s.Release(ctx, k, tok) },
+		"renew":    func(k store.RecordKey, tok store.LockToken) error { return s.Renew(ctx, k, tok) },
 	}
 	// A record that is gone is released (an earlier attempt whose reply
 	// was lost released it), and one completed by the token is completed
 	// (an earlier attempt completed it).
-	wantLost := func(t *testing.T, k RecordKey, tok LockToken, except ...string) {
+	wantLost := func(t *testing.T, k store.RecordKey, tok store.LockToken, except ...string) {
 		t.Helper()
 		for name, op := range ops {
 			err := op(k, tok)
@@ -253,38 +254,38 @@ func TestPostgresLockLost(t *testing.T) {
 				if err != nil {
 					t.Errorf("%s: %v, want nil", name, err)
 				}
-			} else if !errors.Is(err, ErrLockLost) {
+			} else if !errors.Is(err, store.ErrLockLost) {
 				t.Errorf("%s: %v, want ErrLockLost", name, err)
 			}
 		}
 	}
 
 	req := testAcquireRequest("cred", "lost-0000001", "body")
-	mustAcquirePG(t, s, req, OutcomeCreated)
+	mustAcquirePG(t, s, req, store.OutcomeCreated)
 
 	t.Run("wrong token", func(t *testing.T) {
 		wantLost(t, req.Key, newLockToken())
-		mustAcquirePG(t, s, retryRequest(req), OutcomeExisting) // untouched
+		mustAcquirePG(t, s, retryRequest(req), store.OutcomeExisting) // untouched
 	})
 	t.Run("no such record", func(t *testing.T) {
 		wantLost(t, testAcquireRequest("cred", "never-acquired", "").Key, req.Token, "release")
 	})
 	t.Run("after release", func(t *testing.T) {
 		r := testAcquireRequest("cred", "lost-0000002", "body")
-		mustAcquirePG(t, s, r, OutcomeCreated)
+		mustAcquirePG(t, s, r, store.OutcomeCreated)
 		if err := s.Release(ctx, r.Key, r.Token); err != nil {
 			t.Fatalf("release: %v", err)
 		}
 		wantLost(t, r.Key, r.Token, "release")
-		mustAcquirePG(t, s, retryRequest(r), OutcomeCreated)
+		mustAcquirePG(t, s, retryRequest(r), store.OutcomeCreated)
 	})
 	t.Run("after complete", func(t *testing.T) {
 		if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		wantLost(t, req.Key, req.Token, "complete")
-		rec := mustAcquirePG(t, s, retryRequest(req), OutcomeExisting).Record
-		if rec.Status != StatusCompleted {
+		rec := mustAcquirePG(t, s, retryRequest(req), store.OutcomeExisting).Record
+		if rec.Status != store.StatusCompleted {
 			t.Errorf("status %q after a late release or renew", rec.Status)
 		}
 	})
@@ -298,28 +299,28 @@ func TestPostgresExpiredRecordIsCreatedAnew(t *testing.T) {
 	for _, completed := range []bool{true, false} {
 		t.Run(fmt.Sprintf("completed=%v", completed), func(t *testing.T) {
 			old := testAcquireRequest("cred", fmt.Sprintf("expired-%v", completed), "old body")
-			mustAcquirePG(t, s, old, OutcomeCreated)
+			mustAcquirePG(t, s, old, store.OutcomeCreated)
 			if completed {
-				if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 201, Replayable: true}, old.Retention); err != nil {
+				if err := s.Complete(ctx, old.Key, old.Token, &store.Response{Status: 201, Replayable: true}, old.Retention); err != nil {
 					t.Fatal(err)
 				}
 			}
-			oldRec := mustAcquirePG(t, s, retryRequest(old), OutcomeExisting).Record
+			oldRec := mustAcquirePG(t, s, retryRequest(old), store.OutcomeExisting).Record
 			// An in-progress record expires only once its lease has ended
 			// too (TestPostgresLiveLeaseNeverExpires).
 			mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() - interval '1 second', locked_until = now() - interval '1 second' WHERE key = $1", old.Key.Key)
 
 			// Even with another body: an expired key is a free key.
 			fresh := testAcquireRequest("cred", old.Key.Key, "new body")
-			mustAcquirePG(t, s, fresh, OutcomeCreated)
-			rec := mustAcquirePG(t, s, retryRequest(fresh), OutcomeExisting).Record
-			if rec.Status != StatusInProgress || rec.Fingerprint != fresh.Fingerprint || rec.Response != nil {
+			mustAcquirePG(t, s, fresh, store.OutcomeCreated)
+			rec := mustAcquirePG(t, s, retryRequest(fresh), store.OutcomeExisting).Record
+			if rec.Status != store.StatusInProgress || rec.Fingerprint != fresh.Fingerprint || rec.Response != nil {
 				t.Errorf("record = %+v", rec)
 			}
 			if !rec.CreatedAt.After(oldRec.CreatedAt) || !rec.ExpiresAt.After(time.Now()) {
 				t.Errorf("created_at %v (was %v), expires_at %v", rec.CreatedAt, oldRec.CreatedAt, rec.ExpiresAt)
 			}
-			if err := s.Complete(ctx, old.Key, old.Token, &Response{Status: 200, Replayable: true}, old.Retention); !errors.Is(err, ErrLockLost) {
+			if err := s.Complete(ctx, old.Key, old.Token, &store.Response{Status: 200, Replayable: true}, old.Retention); !errors.Is(err, store.ErrLockLost) {
 				t.Errorf("complete by the expired record's owner: %v, want ErrLockLost", err)
 			}
 		})
@@ -334,7 +335,7 @@ func fillForPrune(t *testing.T, s *PostgresStore, expired, live int) {
 		if i < expired {
 			req.Retention, req.LockTimeout = -time.Minute, -time.Minute
 		}
-		mustAcquirePG(t, s, req, OutcomeCreated)
+		mustAcquirePG(t, s, req, store.OutcomeCreated)
 	}
 }
 
@@ -579,10 +580,10 @@ func TestMigratePostgresSchemaAndLongNames(t *testing.T) {
 			}
 			assertMigrated(t, s.pool, table)
 
-			store := newTestPostgresStore(t, table, 8)
+			st := newTestPostgresStore(t, table, 8)
 			req := testAcquireRequest("cred", "schema-00001", "body")
-			mustAcquirePG(t, store, req, OutcomeCreated)
-			if err := store.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Replayable: true}, req.Retention); err != nil {
+			mustAcquirePG(t, st, req, store.OutcomeCreated)
+			if err := st.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, Replayable: true}, req.Retention); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -640,8 +641,8 @@ func TestPostgresNeverStoresRawCredential(t *testing.T) {
 	s := newTestPostgresStore(t, freshTable(t), 8)
 	const credential = "Bearer sk_live_51HxTopSecretCredential"
 	req := testAcquireRequest(credential, "cred-check-1", `{"amount":100}`)
-	mustAcquirePG(t, s, req, OutcomeCreated)
-	if err := s.Complete(context.Background(), req.Key, req.Token, &Response{
+	mustAcquirePG(t, s, req, store.OutcomeCreated)
+	if err := s.Complete(context.Background(), req.Key, req.Token, &store.Response{
 		Status: 200, Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"ok":true}`), Replayable: true, BodySize: 11,
 	}, time.Hour); err != nil {
 		t.Fatal(err)
@@ -690,7 +691,7 @@ func TestPostgresProvisionSharesPool(t *testing.T) {
 	if err := old.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
-	mustAcquirePG(t, current, testAcquireRequest("cred", "reload-00001", ""), OutcomeCreated)
+	mustAcquirePG(t, current, testAcquireRequest("cred", "reload-00001", ""), store.OutcomeCreated)
 
 	config, err := json.Marshal(current)
 	if err != nil {
@@ -726,7 +727,7 @@ func TestPostgresUnreachable(t *testing.T) {
 			t.Fatalf("provision with migrate %v: %v", migrate, err)
 		}
 		_, err := s.Acquire(context.Background(), testAcquireRequest("cred", "unreachable", ""))
-		if err == nil || errors.Is(err, ErrLockLost) {
+		if err == nil || errors.Is(err, store.ErrLockLost) {
 			t.Errorf("acquire = %v, want a store error", err)
 		}
 		if err := s.Cleanup(); err != nil {
@@ -885,25 +886,25 @@ func TestPostgresPreparedStatementsKeepGenericPlans(t *testing.T) {
 	t.Parallel()
 	s := newTestPostgresStoreInMode(t, freshTable(t), "cache_statement", 1)
 	ctx := context.Background()
-	resp := &Response{Status: 201, Replayable: true}
+	resp := &store.Response{Status: 201, Replayable: true}
 	for i := range 12 {
 		// Batches of one, then of two and of three, each in its own
 		// form: the statements of one connection (max_conns 1).
 		for _, rows := range []int{1, 2, 3} {
-			var acquires []*batchCall[queuedAcquire, AcquireResult]
+			var acquires []*batchCall[queuedAcquire, store.AcquireResult]
 			var owned []*batchCall[ownedRequest, bool]
 			for j := range rows {
 				req := testAcquireRequest("cred", fmt.Sprintf("key-%d-%d-%d", i, rows, j), "body")
-				acquires = append(acquires, &batchCall[queuedAcquire, AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}})
+				acquires = append(acquires, &batchCall[queuedAcquire, store.AcquireResult]{ctx: ctx, req: queuedAcquire{AcquireRequest: req}})
 				owned = append(owned, &batchCall[ownedRequest, bool]{ctx: ctx, req: ownedRequest{key: req.Key, token: req.Token}})
 			}
-			slices.SortFunc(acquires, func(x, y *batchCall[queuedAcquire, AcquireResult]) int {
+			slices.SortFunc(acquires, func(x, y *batchCall[queuedAcquire, store.AcquireResult]) int {
 				return compareKeys(x.req.Key, y.req.Key)
 			})
 			slices.SortFunc(owned, func(x, y *batchCall[ownedRequest, bool]) int { return compareKeys(x.req.key, y.req.key) })
 			s.sendAcquires(ctx, acquires)
 			for _, c := range acquires {
-				if c.err != nil || c.res.Outcome != OutcomeCreated {
+				if c.err != nil || c.res.Outcome != store.OutcomeCreated {
 					t.Fatalf("acquire of %d: %v, %+v", rows, c.err, c.res)
 				}
 			}
@@ -1076,11 +1077,11 @@ func TestPostgresOwnersGetConnectionsWhileAcquiresQueue(t *testing.T) {
 	ctx := context.Background()
 
 	owned := testAcquireRequest("cred", "key-owned-1", "body")
-	mustAcquirePG(t, s, owned, OutcomeCreated)
+	mustAcquirePG(t, s, owned, store.OutcomeCreated)
 	released := testAcquireRequest("cred", "key-owned-2", "body")
-	mustAcquirePG(t, s, released, OutcomeCreated)
+	mustAcquirePG(t, s, released, store.OutcomeCreated)
 	hot := testAcquireRequest("cred", "key-hot", "body")
-	mustAcquirePG(t, s, hot, OutcomeCreated)
+	mustAcquirePG(t, s, hot, store.OutcomeCreated)
 
 	// Another session locks the hot record's row: every acquire of that
 	// key waits for the lock inside its statement, holding a connection.
@@ -1134,7 +1135,7 @@ WHERE datname = current_database() AND wait_event_type = 'Lock' AND state = 'act
 	if err := s.Renew(ownerCtx, owned.Key, owned.Token); err != nil {
 		t.Errorf("renew while acquires queue: %v", err)
 	}
-	if err := s.Complete(ownerCtx, owned.Key, owned.Token, &Response{Status: 201, Replayable: true}, owned.Retention); err != nil {
+	if err := s.Complete(ownerCtx, owned.Key, owned.Token, &store.Response{Status: 201, Replayable: true}, owned.Retention); err != nil {
 		t.Errorf("complete while acquires queue: %v", err)
 	}
 	if err := s.Release(ownerCtx, released.Key, released.Token); err != nil {

@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 // problem is an RFC 9457 problem detail. Every response that this module
@@ -175,9 +177,9 @@ func (p problem) write(w http.ResponseWriter, retryAfterSeconds int) {
 }
 
 // response is p as a response to store.
-func (p problem) response() *Response {
+func (p problem) response() *store.Response {
 	body, _ := json.Marshal(p) // a struct of strings and an int always marshals
-	return &Response{
+	return &store.Response{
 		Status: p.Status,
 		Header: http.Header{
 			"Content-Type":   {"application/problem+json"},

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -143,7 +144,7 @@ const headerLineBytes = len(": \r\n")
 // response returns what the store keeps: headers minus excluded ones,
 // trailers, and the body, unless headers, trailers and body together
 // outgrew the limit or the response switched protocols.
-func (rec *recorder) response(excluded map[string]struct{}) *Response {
+func (rec *recorder) response(excluded map[string]struct{}) *store.Response {
 	status := rec.status
 	header := rec.header
 	if !rec.wroteHeader {
@@ -171,7 +172,7 @@ func (rec *recorder) response(excluded map[string]struct{}) *Response {
 	// A 101 handed the connection to another protocol: what followed
 	// went past the recorder, and a replayed 101 would open no tunnel.
 	replayable := !rec.overflow && size <= rec.limit && status != http.StatusSwitchingProtocols
-	resp := &Response{
+	resp := &store.Response{
 		Status:     status,
 		Header:     header,
 		BodySize:   rec.size,

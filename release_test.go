@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -142,9 +143,9 @@ func TestStaticErrorBeforeProxyReleases(t *testing.T) {
 }
 
 // failingRelease is a store whose releases fail.
-type failingRelease struct{ Store }
+type failingRelease struct{ store.Store }
 
-func (failingRelease) Release(context.Context, RecordKey, LockToken) error {
+func (failingRelease) Release(context.Context, store.RecordKey, store.LockToken) error {
 	return errors.New("store down")
 }
 

@@ -2,41 +2,33 @@ package idempotency
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"net/http"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"go.uber.org/zap"
 )
 
-// HeldLock is a lock that its request still holds: a record key and the
-// token that owns it.
-type HeldLock struct {
-	Key   RecordKey
-	Token LockToken
-}
-
-// A LockRenewer renews many locks in one round trip. A handler renews
-// every lock its requests hold together, once per tick, through a store
-// that implements it (the Postgres store, in one statement); other
-// stores get a Renew per lock. The error at i is lock i's, as Renew
-// would return it: ErrLockLost for a lock that is no longer the
-// caller's.
-type LockRenewer interface {
-	RenewLocks(ctx context.Context, locks []HeldLock) []error
+// newLockToken returns a random token.
+func newLockToken() store.LockToken {
+	var t store.LockToken
+	_, _ = rand.Read(t[:]) // crypto/rand.Read never returns an error
+	return t
 }
 
 // renewLocks renews locks through store, in one round trip when it can.
-func renewLocks(ctx context.Context, store Store, locks []HeldLock) []error {
-	if r, ok := store.(LockRenewer); ok {
+func renewLocks(ctx context.Context, st store.Store, locks []store.HeldLock) []error {
+	if r, ok := st.(store.LockRenewer); ok {
 		return r.RenewLocks(ctx, locks)
 	}
 	errs := make([]error, len(locks))
 	var wg sync.WaitGroup
 	for i, l := range locks {
-		wg.Go(func() { errs[i] = store.Renew(ctx, l.Key, l.Token) })
+		wg.Go(func() { errs[i] = st.Renew(ctx, l.Key, l.Token) })
 	}
 	wg.Wait()
 	return errs
@@ -72,7 +64,7 @@ func newLockKeeper(h *Handler) *lockKeeper {
 // keptLock is one request's lock. Its fields after credID are guarded by
 // the keeper's mu.
 type keptLock struct {
-	lock        HeldLock
+	lock        store.HeldLock
 	key, credID string
 	// dated is when the lock was last dated: when the acquire, or the
 	// last renewal that succeeded, was sent.
@@ -107,7 +99,7 @@ func (r *lockKeeper) period() time.Duration { return r.h.renewInterval() / 2 }
 // record over and execute it a second time.
 func (h *Handler) keepLock(q *request) *lease {
 	r := h.keeper
-	l := &keptLock{lock: HeldLock{Key: q.rk, Token: q.token}, key: q.key, credID: q.credID, dated: q.dated}
+	l := &keptLock{lock: store.HeldLock{Key: q.rk, Token: q.token}, key: q.key, credID: q.credID, dated: q.dated}
 	r.mu.Lock()
 	r.held[l] = struct{}{}
 	if r.timer == nil {
@@ -138,13 +130,13 @@ var liveLocks sync.Map // liveLockKey -> *lease
 
 type liveLockKey struct {
 	records string
-	rk      RecordKey
+	rk      store.RecordKey
 }
 
 // forgetLiveLock stops answering key's retries for the owner that runs
 // here: an operator released its record (force), and the next request
 // with the key is to execute, while the owner runs on.
-func forgetLiveLock(records string, key RecordKey) {
+func forgetLiveLock(records string, key store.RecordKey) {
 	liveLocks.Delete(liveLockKey{records, key})
 }
 
@@ -154,7 +146,7 @@ func forgetLiveLock(records string, key RecordKey) {
 // to the store to answer, since it may have been stored already, and a
 // request waiting for it (`wait`) must then find the response, not the
 // owner that is about to let go.
-func heldHere(records string, key RecordKey) *Record {
+func heldHere(records string, key store.RecordKey) *store.Record {
 	v, ok := liveLocks.Load(liveLockKey{records, key})
 	if !ok {
 		return nil
@@ -172,7 +164,7 @@ func heldHere(records string, key RecordKey) *Record {
 		return nil
 	}
 	method, u := clientRequest(ls.r0)
-	return &Record{Status: StatusInProgress, Fingerprint: ls.fp, Method: strings.ToUpper(method), Path: u.EscapedPath(),
+	return &store.Record{Status: store.StatusInProgress, Fingerprint: ls.fp, Method: strings.ToUpper(method), Path: u.EscapedPath(),
 		LockedAt: dated, TTL: time.Duration(ls.r.h.Retention)}
 }
 
@@ -239,7 +231,7 @@ func (r *lockKeeper) tick() {
 
 // renew renews due in one round trip and records each lock's outcome.
 func (r *lockKeeper) renew(due []*keptLock) {
-	locks := make([]HeldLock, len(due))
+	locks := make([]store.HeldLock, len(due))
 	for i, l := range due {
 		locks[i] = l.lock
 	}
@@ -253,13 +245,13 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		l.inFlight--
 		switch err := errs[i]; {
 		case l.stopped:
-		case errors.Is(err, ErrLockLost) && l.completing:
+		case errors.Is(err, store.ErrLockLost) && l.completing:
 			l.lost = true
 		case err == nil:
 			if dated.After(l.dated) {
 				l.dated = dated
 			}
-		case errors.Is(err, ErrLockLost):
+		case errors.Is(err, store.ErrLockLost):
 			// Another request has the record: renewing it again
 			// cannot help. The completion finds the lock lost.
 			if !l.lost {

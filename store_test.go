@@ -14,13 +14,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
 // eachStoreChain runs fn, in parallel subtests, on every store as a
 // handler may call it: each backend's store (storeBackend.open) bare,
 // and under the wrappers a handler puts around it ("/wrapped").
-func eachStoreChain(t *testing.T, fn func(t *testing.T, s Store)) {
+func eachStoreChain(t *testing.T, fn func(t *testing.T, s store.Store)) {
 	t.Helper()
 	for _, name := range storeBackendNames {
 		for _, wrapped := range []bool{false, true} {
@@ -42,7 +43,7 @@ func eachStoreChain(t *testing.T, fn func(t *testing.T, s Store)) {
 
 // wrapLikeHandler wraps s as Provision does (wrapStore), with the
 // default replay cache.
-func wrapLikeHandler(s Store) Store {
+func wrapLikeHandler(s store.Store) store.Store {
 	wrapped, _ := wrapStore(s, newStoreMetrics("conformance"), defaultReplayCache)
 	return wrapped
 }
@@ -50,36 +51,36 @@ func wrapLikeHandler(s Store) Store {
 // The calls of store.go's contract, one after another, as a first
 // execution, its retries and an operator make them.
 func TestStoreContract(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
-		resp := &Response{Status: 201, Body: []byte("made"), Replayable: true}
+		resp := &store.Response{Status: 201, Body: []byte("made"), Replayable: true}
 
 		// Acquire creates once; a retry, of the same request or not,
 		// gets the record in progress, and takes nothing over.
 		req := testAcquireRequest("cred", "contract-key", "body")
-		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("first acquire: %+v, %v; want created", res, err)
 		}
-		for _, other := range []AcquireRequest{retryRequest(req), testAcquireRequest("cred", "contract-key", "another body")} {
+		for _, other := range []store.AcquireRequest{retryRequest(req), testAcquireRequest("cred", "contract-key", "another body")} {
 			res, err := s.Acquire(ctx, other)
-			if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
+			if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusInProgress {
 				t.Fatalf("acquire by another attempt: %+v, %v; want the record in progress", res, err)
 			}
 		}
 		// The owner's own acquire again (its reply was lost) is its own.
-		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire again by the owner: %+v, %v; want created", res, err)
 		}
 
 		// Only the owner's token renews, completes or releases.
 		stranger := retryRequest(req).Token
-		if err := s.Renew(ctx, req.Key, stranger); !errors.Is(err, ErrLockLost) {
+		if err := s.Renew(ctx, req.Key, stranger); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("renew by another token: %v; want ErrLockLost", err)
 		}
-		if err := s.Complete(ctx, req.Key, stranger, resp, req.Retention); !errors.Is(err, ErrLockLost) {
+		if err := s.Complete(ctx, req.Key, stranger, resp, req.Retention); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("complete by another token: %v; want ErrLockLost", err)
 		}
-		if err := s.Release(ctx, req.Key, stranger); !errors.Is(err, ErrLockLost) {
+		if err := s.Release(ctx, req.Key, stranger); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("release by another token: %v; want ErrLockLost", err)
 		}
 		if err := s.Renew(ctx, req.Key, req.Token); err != nil {
@@ -95,18 +96,18 @@ func TestStoreContract(t *testing.T) {
 			t.Fatalf("complete again by the owner: %v; want nil", err)
 		}
 		res, err := s.Acquire(ctx, retryRequest(req))
-		if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusCompleted ||
+		if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusCompleted ||
 			res.Record.Response == nil || string(res.Record.Response.Body) != "made" || res.Record.Response.Status != 201 {
 			t.Fatalf("acquire after completion: %+v, %v; want the completed record with its response", res, err)
 		}
-		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
+		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("release of a completed record: %v; want ErrLockLost", err)
 		}
 
 		// Released, the key is free; a release of a record gone counts
 		// as done.
 		rel := testAcquireRequest("cred", "contract-released", "body")
-		if res, err := s.Acquire(ctx, rel); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, rel); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		for i := range 2 {
@@ -114,7 +115,7 @@ func TestStoreContract(t *testing.T) {
 				t.Fatalf("release %d: %v; want nil", i+1, err)
 			}
 		}
-		if res, err := s.Acquire(ctx, retryRequest(rel)); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, retryRequest(rel)); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire after a release: %+v, %v; want created", res, err)
 		}
 	})
@@ -124,21 +125,21 @@ func TestStoreContract(t *testing.T) {
 // once, and the old owner has lost its lock; a record that expired is
 // absent, and pruned.
 func TestStoreContractTakeoverAndExpiry(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
 		const lease = 200 * time.Millisecond
 		req := testAcquireRequest("cred", "contract-stale", "body")
 		req.LockTimeout = lease
-		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		time.Sleep(lease + 100*time.Millisecond)
 		if res, err := s.Acquire(ctx, testAcquireRequest("cred", "contract-stale", "another body")); err != nil ||
-			res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
+			res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusInProgress {
 			t.Fatalf("acquire of a stale lock by another request: %+v, %v; want the record, not a takeover", res, err)
 		}
-		retries := make([]AcquireRequest, 8)
-		outcomes := make([]Outcome, len(retries))
+		retries := make([]store.AcquireRequest, 8)
+		outcomes := make([]store.Outcome, len(retries))
 		var wg sync.WaitGroup
 		for i := range retries {
 			retries[i] = retryRequest(req)
@@ -153,30 +154,30 @@ func TestStoreContractTakeoverAndExpiry(t *testing.T) {
 		wg.Wait()
 		takers := 0
 		for _, o := range outcomes {
-			if o == OutcomeTakenOver {
+			if o == store.OutcomeTakenOver {
 				takers++
 			}
 		}
 		if takers != 1 {
 			t.Fatalf("outcomes of concurrent retries after the lease ran out: %v; want one takeover", outcomes)
 		}
-		if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Replayable: true}, time.Hour); !errors.Is(err, ErrLockLost) {
+		if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Replayable: true}, time.Hour); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("complete by the owner taken over: %v; want ErrLockLost", err)
 		}
 
 		short := testAcquireRequest("cred", "contract-expiring", "body")
 		short.LockTimeout, short.Retention = lease, lease
-		if res, err := s.Acquire(ctx, short); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, short); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
-		if err := s.Complete(ctx, short.Key, short.Token, &Response{Status: 201, Replayable: true}, short.Retention); err != nil {
+		if err := s.Complete(ctx, short.Key, short.Token, &store.Response{Status: 201, Replayable: true}, short.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		time.Sleep(short.Retention + 100*time.Millisecond)
 		if n, err := s.Prune(ctx, 100); err != nil || n < 1 {
 			t.Fatalf("prune after expiry: %d, %v; want the expired record deleted", n, err)
 		}
-		if res, err := s.Acquire(ctx, retryRequest(short)); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, retryRequest(short)); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire after expiry: %+v, %v; want created anew", res, err)
 		}
 	})
@@ -186,13 +187,13 @@ func TestStoreContractTakeoverAndExpiry(t *testing.T) {
 // completed record lives a full retention after its completion, however
 // long its request ran.
 func TestStoreLiveLeaseNeverExpires(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
 		owner := testAcquireRequest("cred", "lease-key", "body")
 		// A renewal may come late on a loaded machine: the lease has
 		// room for several missed ones.
 		owner.Retention, owner.LockTimeout = 1500*time.Millisecond, time.Second
-		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		// The request runs twice its retention, renewing its lease.
@@ -209,11 +210,11 @@ func TestStoreLiveLeaseNeverExpires(t *testing.T) {
 			retry := testAcquireRequest("cred", owner.Key.Key, body)
 			retry.Retention, retry.LockTimeout = owner.Retention, owner.LockTimeout
 			res, err := s.Acquire(ctx, retry)
-			if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusInProgress {
+			if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusInProgress {
 				t.Fatalf("acquire by a retry with %q while the lease is live: %+v, %v; want the in-progress record", body, res, err)
 			}
 		}
-		if err := s.Complete(ctx, owner.Key, owner.Token, &Response{Status: 201, Replayable: true}, owner.Retention); err != nil {
+		if err := s.Complete(ctx, owner.Key, owner.Token, &store.Response{Status: 201, Replayable: true}, owner.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		completed := time.Now()
@@ -223,7 +224,7 @@ func TestStoreLiveLeaseNeverExpires(t *testing.T) {
 		}
 		retry := retryRequest(owner)
 		res, err := s.Acquire(ctx, retry)
-		if err != nil || res.Outcome != OutcomeExisting || res.Record.Status != StatusCompleted {
+		if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Status != store.StatusCompleted {
 			t.Fatalf("acquire %v after completion: %+v, %v; want the completed record", time.Since(completed), res, err)
 		}
 		time.Sleep(time.Until(completed.Add(owner.Retention + 100*time.Millisecond)))
@@ -236,18 +237,18 @@ func TestStoreLiveLeaseNeverExpires(t *testing.T) {
 // Two stores sharing records, with different lock timeouts, at the
 // store level: the takeover waits for the owner's lease.
 func TestStoreLeaseIsTheRecords(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
 		owner := testAcquireRequest("cred", "lease-owner", "body")
 		owner.LockTimeout = 2 * time.Second
-		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, owner); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		time.Sleep(300 * time.Millisecond)
 		retry := retryRequest(owner)
 		retry.LockTimeout = 100 * time.Millisecond
 		res, err := s.Acquire(ctx, retry)
-		if err != nil || res.Outcome != OutcomeExisting {
+		if err != nil || res.Outcome != store.OutcomeExisting {
 			t.Fatalf("acquire by a retry with a shorter lock timeout: %+v, %v; want the owner's record", res, err)
 		}
 		if !res.Record.LockedUntil.After(res.Record.LockedAt.Add(time.Second)) {
@@ -258,7 +259,7 @@ func TestStoreLeaseIsTheRecords(t *testing.T) {
 			t.Fatalf("renew: %v", err)
 		}
 		time.Sleep(time.Second)
-		if res, err := s.Acquire(ctx, retry); err != nil || res.Outcome != OutcomeExisting {
+		if res, err := s.Acquire(ctx, retry); err != nil || res.Outcome != store.OutcomeExisting {
 			t.Fatalf("acquire after a renewal: %+v, %v; want the owner's record", res, err)
 		}
 	})
@@ -266,7 +267,7 @@ func TestStoreLeaseIsTheRecords(t *testing.T) {
 
 // Headers round-trip through both stores byte for byte, names included.
 func TestStoreHeadersRoundTripExactly(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
 		req := testAcquireRequest("cred", "bytes-key", "body")
 		header := http.Header{
@@ -275,14 +276,14 @@ func TestStoreHeadersRoundTripExactly(t *testing.T) {
 			"lower\x00case\xff":   {"v"},
 			"Empty":               {},
 		}
-		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
-		if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 200, Header: header, Body: []byte("\x00\xff"), Replayable: true, BodySize: 2}, req.Retention); err != nil {
+		if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, Header: header, Body: []byte("\x00\xff"), Replayable: true, BodySize: 2}, req.Retention); err != nil {
 			t.Fatalf("complete: %v", err)
 		}
 		res, err := s.Acquire(ctx, retryRequest(req))
-		if err != nil || res.Outcome != OutcomeExisting || res.Record.Response == nil {
+		if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Response == nil {
 			t.Fatalf("replay: %+v, %v", res, err)
 		}
 		got := res.Record.Response.Header
@@ -304,33 +305,33 @@ func TestStoreHeadersRoundTripExactly(t *testing.T) {
 // same token, and finds its own effect: the acquire owns the record it
 // created, the completion and the release are done.
 func TestStoreRepeatedCallsFindTheirEffect(t *testing.T) {
-	eachStoreChain(t, func(t *testing.T, s Store) {
+	eachStoreChain(t, func(t *testing.T, s store.Store) {
 		ctx := context.Background()
 		req := testAcquireRequest("cred", "repeat-key", "body")
 		for i := range 2 {
-			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 				t.Fatalf("acquire %d: %+v, %v; want created, the caller's", i+1, res, err)
 			}
 		}
 		other := retryRequest(req)
-		if res, err := s.Acquire(ctx, other); err != nil || res.Outcome != OutcomeExisting {
+		if res, err := s.Acquire(ctx, other); err != nil || res.Outcome != store.OutcomeExisting {
 			t.Fatalf("acquire by another token: %+v, %v; want existing", res, err)
 		}
-		resp := &Response{Status: 201, Body: []byte("done"), Replayable: true, BodySize: 4}
+		resp := &store.Response{Status: 201, Body: []byte("done"), Replayable: true, BodySize: 4}
 		for i := range 2 {
 			if err := s.Complete(ctx, req.Key, req.Token, resp, req.Retention); err != nil {
 				t.Fatalf("complete %d: %v", i+1, err)
 			}
 		}
-		if err := s.Complete(ctx, req.Key, other.Token, resp, req.Retention); !errors.Is(err, ErrLockLost) {
+		if err := s.Complete(ctx, req.Key, other.Token, resp, req.Retention); !errors.Is(err, store.ErrLockLost) {
 			t.Errorf("complete by another token: %v, want ErrLockLost", err)
 		}
-		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, ErrLockLost) {
+		if err := s.Release(ctx, req.Key, req.Token); !errors.Is(err, store.ErrLockLost) {
 			t.Errorf("release of a completed record: %v, want ErrLockLost", err)
 		}
 
 		released := testAcquireRequest("cred", "repeat-release", "body")
-		if res, err := s.Acquire(ctx, released); err != nil || res.Outcome != OutcomeCreated {
+		if res, err := s.Acquire(ctx, released); err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire: %+v, %v", res, err)
 		}
 		for i := range 2 {
@@ -350,13 +351,13 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		ctx := context.Background()
 		s := sb.open(t)
-		ins := s.(Inspector)
+		ins := s.(store.Inspector)
 		const lease = 150 * time.Millisecond
-		acquire := func(key string) AcquireRequest {
+		acquire := func(key string) store.AcquireRequest {
 			t.Helper()
 			req := testAcquireRequest("cred", key, "body")
 			req.LockTimeout = lease
-			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+			if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 				t.Fatalf("acquire: %+v, %v", res, err)
 			}
 			return req
@@ -364,7 +365,7 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 
 		late := acquire("late-renewal")
 		time.Sleep(lease + 50*time.Millisecond)
-		if err := s.Renew(ctx, late.Key, late.Token); !errors.Is(err, ErrLockLost) {
+		if err := s.Renew(ctx, late.Key, late.Token); !errors.Is(err, store.ErrLockLost) {
 			t.Fatalf("a renewal after the lease ended: %v, want ErrLockLost", err)
 		}
 		if _, err := ins.DeleteRecord(ctx, late.Key, false, 0); err != nil {
@@ -383,8 +384,8 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 			switch {
 			case renewErr == nil && releaseErr == nil:
 				t.Fatalf("race %d: the renewal and the release both succeeded", i)
-			case renewErr != nil && !errors.Is(renewErr, ErrLockLost),
-				releaseErr != nil && !errors.Is(releaseErr, ErrNoRecord):
+			case renewErr != nil && !errors.Is(renewErr, store.ErrLockLost),
+				releaseErr != nil && !errors.Is(releaseErr, store.ErrNoRecord):
 				t.Fatalf("race %d: renewal %v, release %v", i, renewErr, releaseErr)
 			case renewErr != nil && releaseErr != nil:
 				// The renewal found the lease ended: so does a release now.
@@ -394,7 +395,7 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 			}
 			if renewErr == nil {
 				// Renewed: the lease is live again, and the owner completes.
-				if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Replayable: true}, time.Hour); err != nil {
+				if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Replayable: true}, time.Hour); err != nil {
 					t.Fatalf("race %d: completing after a renewal: %v", i, err)
 				}
 			}
@@ -409,29 +410,29 @@ func TestStoreLateRenewalVsRelease(t *testing.T) {
 func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
 	mem := &MemoryStore{records: newMemoryRecords(100, time.Now)}
 	chain, cache := wrapStore(mem, newStoreMetrics("conformance"), defaultReplayCache)
-	if cache == nil || chain != Store(cache) {
+	if cache == nil || chain != store.Store(cache) {
 		t.Fatalf("wrapStore returned %T and cache %v; want the cache outermost", chain, cache)
 	}
-	if w, ok := storeAs[Waiter](chain); !ok || w != Waiter(mem) {
+	if w, ok := store.As[store.Waiter](chain); !ok || w != store.Waiter(mem) {
 		t.Errorf("Waiter through the chain: %T, %v; want the memory store", w, ok)
 	}
-	if _, ok := storeAs[SecretKeeper](chain); !ok {
+	if _, ok := store.As[store.SecretKeeper](chain); !ok {
 		t.Error("SecretKeeper not found through the chain")
 	}
-	if _, ok := storeAs[Inspector](chain); !ok {
+	if _, ok := store.As[store.Inspector](chain); !ok {
 		t.Error("the admin API's capability not found through the chain")
 	}
 	if got := recordsOf(chain); got != memoryPoolKey {
 		t.Errorf("records of the chain: %q, want the memory store's", got)
 	}
-	if r, ok := storeAs[LockRenewer](chain); !ok || r != LockRenewer(cache) {
+	if r, ok := store.As[store.LockRenewer](chain); !ok || r != store.LockRenewer(cache) {
 		t.Errorf("LockRenewer: %T, %v; want the cache's own, which forgets lost locks", r, ok)
 	}
 	if cache.learnOnComplete {
 		t.Error("a cache in front of the memory store copies the responses it completes")
 	}
-	if innermost(chain) != Store(mem) {
-		t.Errorf("innermost: %T, want the memory store", innermost(chain))
+	if store.Innermost(chain) != store.Store(mem) {
+		t.Errorf("innermost: %T, want the memory store", store.Innermost(chain))
 	}
 
 	pg := newTestPostgresStore(t, freshTable(t), 4)
@@ -439,7 +440,7 @@ func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
 	if cache != nil {
 		t.Fatal("a cache of size 0 was built")
 	}
-	if d, ok := storeAs[Drainer](chain); !ok || d != Drainer(pg) {
+	if d, ok := store.As[store.Drainer](chain); !ok || d != store.Drainer(pg) {
 		t.Errorf("Drainer through the chain: %T, %v; want the Postgres store", d, ok)
 	}
 	if got, want := recordsOf(chain), pg.Records(); got != want {
@@ -450,19 +451,19 @@ func TestStoreCapabilitiesThroughTheChain(t *testing.T) {
 // outsideStore is a store of another module: it offers the memory
 // store's records and their inspection, and nothing else of it.
 type outsideStore struct {
-	Store
-	inspect Inspector
+	store.Store
+	inspect store.Inspector
 }
 
 func (outsideStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.idempotency.stores.outside"}
 }
 
-func (s outsideStore) InspectRecords(ctx context.Context, f RecordFilter) ([]InspectedRecord, error) {
+func (s outsideStore) InspectRecords(ctx context.Context, f store.RecordFilter) ([]store.InspectedRecord, error) {
 	return s.inspect.InspectRecords(ctx, f)
 }
 
-func (s outsideStore) DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error) {
+func (s outsideStore) DeleteRecord(ctx context.Context, key store.RecordKey, force bool, lockTimeout time.Duration) (store.Status, error) {
 	return s.inspect.DeleteRecord(ctx, key, force, lockTimeout)
 }
 

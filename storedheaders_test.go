@@ -7,6 +7,8 @@ import (
 	"reflect"
 	"strconv"
 	"testing"
+
+	"github.com/caddy-idempotency/idempotency/store"
 )
 
 var headerJSONCases = []string{
@@ -135,7 +137,7 @@ func TestHeaderDecodingAllocations(t *testing.T) {
 			h[fmt.Sprintf("X-H%d", i)] = []string{"a", strconv.Itoa(i)}
 		}
 		b := encodeHeaders(h)
-		if p := packResponse(&Response{Header: h}); len(p.headers) != len(b) || p.headers[0] != headerFormatBinary {
+		if p := packResponse(&store.Response{Header: h}); len(p.headers) != len(b) || p.headers[0] != headerFormatBinary {
 			t.Errorf("the memory store packs %d bytes of headers, the shared encoding %d", len(p.headers), len(b))
 		}
 		return testing.AllocsPerRun(100, func() { _, _ = decodeHeaders(b) }), b

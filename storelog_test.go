@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -22,7 +23,7 @@ import (
 // downStore is a store that, while down is set, fails every call as a
 // database that refuses connections does.
 type downStore struct {
-	Store
+	store.Store
 	down atomic.Bool
 }
 
@@ -33,28 +34,28 @@ func (s *downStore) fail(op string) error {
 	return fmt.Errorf("postgres store: %s: %w", op, &net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED})
 }
 
-func (s *downStore) Acquire(ctx context.Context, req AcquireRequest) (AcquireResult, error) {
+func (s *downStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	if err := s.fail(opAcquire); err != nil {
-		return AcquireResult{}, err
+		return store.AcquireResult{}, err
 	}
 	return s.Store.Acquire(ctx, req)
 }
 
-func (s *downStore) Complete(ctx context.Context, key RecordKey, token LockToken, resp *Response, retention time.Duration) error {
+func (s *downStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	if err := s.fail(opComplete); err != nil {
 		return err
 	}
 	return s.Store.Complete(ctx, key, token, resp, retention)
 }
 
-func (s *downStore) Renew(ctx context.Context, key RecordKey, token LockToken) error {
+func (s *downStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	if err := s.fail(opRenew); err != nil {
 		return err
 	}
 	return s.Store.Renew(ctx, key, token)
 }
 
-func (s *downStore) Release(ctx context.Context, key RecordKey, token LockToken) error {
+func (s *downStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	if err := s.fail(opRelease); err != nil {
 		return err
 	}
@@ -282,14 +283,14 @@ func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
 	call := func(i int) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 		defer cancel()
-		key := RecordKey{Key: fmt.Sprintf("silent-%d", i)}
+		key := store.RecordKey{Key: fmt.Sprintf("silent-%d", i)}
 		if i%2 == 0 {
-			return st.Complete(ctx, key, newLockToken(), &Response{Status: 201}, time.Hour)
+			return st.Complete(ctx, key, newLockToken(), &store.Response{Status: 201}, time.Hour)
 		}
 		return st.Renew(ctx, key, newLockToken())
 	}
-	if err := call(1); !errors.Is(err, ErrLockLost) {
-		t.Fatalf("a renewal of no record: %v, want ErrLockLost", err)
+	if err := call(1); !errors.Is(err, store.ErrLockLost) {
+		t.Fatalf("a renewal of no record: %v, want store.ErrLockLost", err)
 	}
 	fwd.Mute()
 	var cancelled atomic.Int64
@@ -312,7 +313,7 @@ func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
 		t.Errorf("%d store_unavailable lines for one silence, want 1", n)
 	}
 	fwd.Unmute()
-	waitFor(t, 15*time.Second, "the store to answer", func() bool { return errors.Is(call(1), ErrLockLost) })
+	waitFor(t, 15*time.Second, "the store to answer", func() bool { return errors.Is(call(1), store.ErrLockLost) })
 	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 1 {
 		t.Errorf("%d store_recovered lines once the database answered, want 1", n)
 	}

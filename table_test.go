@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -71,10 +72,10 @@ func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
 	ctx := context.Background()
 	req := testAcquireRequest("cred", "clock-key", "body")
 	req.Retention = 10 * time.Second
-	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != OutcomeCreated {
+	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire: %+v, %v", res, err)
 	}
-	if err := s.Complete(ctx, req.Key, req.Token, &Response{Status: 201, Body: []byte("x"), Replayable: true, BodySize: 1}, req.Retention); err != nil {
+	if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Body: []byte("x"), Replayable: true, BodySize: 1}, req.Retention); err != nil {
 		t.Fatal(err)
 	}
 	mustExec(t, s, "UPDATE "+s.table.quoted()+" SET expires_at = now() + interval '2 seconds'")
@@ -82,7 +83,7 @@ func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
 	c := newReplayCache(s, 1<<20)
 	c.now = func() time.Time { return time.Now().Add(-10 * time.Second) }
 	start := time.Now()
-	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeExisting {
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != store.OutcomeExisting {
 		t.Fatalf("acquire: %+v, %v", res, err)
 	}
 	if c.get(req.Key, c.now()) == nil {
@@ -92,7 +93,7 @@ func TestReplayCacheFollowsTheDatabasesClock(t *testing.T) {
 	if rec := c.get(req.Key, c.now()); rec != nil {
 		t.Fatalf("served from the cache after the record expired in the database")
 	}
-	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != OutcomeCreated {
+	if res, err := c.Acquire(ctx, retryRequest(req)); err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire after expiry: %+v, %v; want the key free again", res, err)
 	}
 }
@@ -131,7 +132,7 @@ func TestPostgresDialDuringSilenceIsBounded(t *testing.T) {
 	defer cancel()
 	start := time.Now()
 	res, err := s.Acquire(ctx, testAcquireRequest("cred", "after", "body"))
-	if err != nil || res.Outcome != OutcomeCreated {
+	if err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire after the silence: %+v, %v (after %v); want created within the store timeout",
 			res, err, time.Since(start).Round(time.Millisecond))
 	}
@@ -171,7 +172,7 @@ func TestPostgresAcquireFailsFastWhenDatabaseDown(t *testing.T) {
 	}
 	fwd.Restore()
 	res, err := s.Acquire(ctx, testAcquireRequest("cred", "during", "body"))
-	if err != nil || res.Outcome != OutcomeCreated {
+	if err != nil || res.Outcome != store.OutcomeCreated {
 		t.Fatalf("acquire after the restore: %+v, %v; want created (the refused attempt left nothing)", res, err)
 	}
 }
@@ -198,7 +199,7 @@ func TestPostgresAcquireSurvivesKilledConnections(t *testing.T) {
 		actx, done := context.WithTimeout(ctx, storeTimeout)
 		res, err := s.Acquire(actx, req)
 		done()
-		if err != nil || res.Outcome != OutcomeCreated {
+		if err != nil || res.Outcome != store.OutcomeCreated {
 			t.Fatalf("acquire after the connections were killed: %+v, %v; want created", res, err)
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -20,7 +21,7 @@ import (
 // released. It also wakes at least every LockTimeout, because an owner
 // that died sends no news and its lock can only be taken over once it
 // is stale.
-func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest, host string) (AcquireResult, error) {
+func (h *Handler) acquireOrWait(ctx context.Context, req store.AcquireRequest, host string) (store.AcquireResult, error) {
 	acq, err := h.acquire(ctx, req, host)
 	if err != nil || h.waiter == nil || !waitable(acq, req) {
 		return acq, err
@@ -49,7 +50,7 @@ func (h *Handler) acquireOrWait(ctx context.Context, req AcquireRequest, host st
 // news, the deadline, a stale lock or the client leaving. It returns what
 // the look found, and whether it waited after it: if so, the caller must
 // look again.
-func (h *Handler) waitOnce(ctx context.Context, req AcquireRequest, host string, deadline time.Time) (acq AcquireResult, waited bool, err error) {
+func (h *Handler) waitOnce(ctx context.Context, req store.AcquireRequest, host string, deadline time.Time) (acq store.AcquireResult, waited bool, err error) {
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := h.waiter.WaitCompleted(wctx, req.Key)
@@ -71,9 +72,9 @@ func (h *Handler) waitOnce(ctx context.Context, req AcquireRequest, host string,
 // waitable reports whether acq is the same request still in progress
 // under another owner: what a waiter waits on. A different request under
 // the key (a mismatch) gets its 409 at once.
-func waitable(acq AcquireResult, req AcquireRequest) bool {
-	return acq.Outcome == OutcomeExisting &&
-		acq.Record.Status == StatusInProgress &&
+func waitable(acq store.AcquireResult, req store.AcquireRequest) bool {
+	return acq.Outcome == store.OutcomeExisting &&
+		acq.Record.Status == store.StatusInProgress &&
 		acq.Record.Fingerprint == req.Fingerprint
 }
 

@@ -1,9 +1,33 @@
-package idempotency
+// Package store is the contract between the idempotency handler and the
+// stores that keep its records: the Store interface, the capabilities a
+// store may add to it, and the records, results and errors they
+// exchange. It is a package of its own so that a store is written, in
+// this module or another, against the contract alone, never against the
+// handler's internals.
+//
+// A store keeps one record per RecordKey: a credential's keyed hash and
+// the client's Idempotency-Key. Whatever its backend, it guarantees what
+// the handler's promise of one execution per key rests on: Acquire
+// creates a record, or takes over one whose lease has run out, for
+// exactly one caller, and takes one over only for the same request (its
+// fingerprint), since the dead owner may have executed; a record in
+// progress under a live lease is never taken over and never expires;
+// only the token that owns a record completes, renews or releases it,
+// and a caller that lost it is told so (ErrLockLost); a completed record
+// answers with its stored response until it expires. A call whose reply
+// was lost may be sent again under the same token: Acquire finds the
+// record its own, Complete and Release find their work done.
+//
+// Stores are Caddy guest modules in the namespace
+// "http.handlers.idempotency.stores", selected by the "backend" field of
+// the handler's "store" object. The handler wraps the store it is given
+// (metrics, the replay cache); As finds a capability through the
+// wrappers.
+package store
 
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
 	"errors"
 	"net/http"
 	"time"
@@ -15,11 +39,11 @@ import (
 //
 // A request's path costs two statements of the store (Acquire,
 // Complete) for a first execution and one (Acquire) for a replay, none
-// when the replay cache answers it (roundtrip_test.go counts them). A
-// statement is not always a round trip of its own: the Postgres store
-// sends the calls of concurrent requests together (pgbatch.go), and a
-// call whose reply was lost may cost a second statement that finds out
-// what the first did.
+// when the replay cache answers it (the handler's roundtrip_test.go
+// counts them). A statement is not always a round trip of its own: the
+// Postgres store sends the calls of concurrent requests together (its
+// pgbatch.go), and a call whose reply was lost may cost a second
+// statement that finds out what the first did.
 type Store interface {
 	// Acquire atomically either creates an in_progress record owned by
 	// req.Token, with a lease of req.LockTimeout, or returns the record
@@ -69,7 +93,7 @@ type Store interface {
 
 // Waiter is implemented by stores that can wake a request waiting for an
 // in-progress record to finish (the handler's `wait`), so that waiting
-// costs no polling. Both stores of this package implement it: memory with
+// costs no polling. Both stores of this module implement it: memory with
 // a channel, Postgres with LISTEN/NOTIFY.
 type Waiter interface {
 	// EnableWaiting is called once, at provision, by a handler that
@@ -148,16 +172,40 @@ type Inspector interface {
 	DeleteRecord(ctx context.Context, key RecordKey, force bool, lockTimeout time.Duration) (Status, error)
 }
 
-// storeAs returns the capability T of s: s's own, or that of the store
-// it wraps (a wrapper's Unwrap), and so on down the chain. A wrapper that
+// HeldLock is a lock that its request still holds: a record key and the
+// token that owns it.
+type HeldLock struct {
+	Key   RecordKey
+	Token LockToken
+}
+
+// A LockRenewer renews many locks in one round trip. A handler renews
+// every lock its requests hold together, once per tick, through a store
+// that implements it (the Postgres store, in one statement); other
+// stores get a Renew per lock. The error at i is lock i's, as Renew
+// would return it: ErrLockLost for a lock that is no longer the
+// caller's.
+type LockRenewer interface {
+	RenewLocks(ctx context.Context, locks []HeldLock) []error
+}
+
+// A Wrapper is a store that wraps another: the handler's metrics and
+// replay cache. As and Innermost follow Unwrap down the chain, so that
+// a store's capabilities stay found behind the wrappers.
+type Wrapper interface {
+	Unwrap() Store
+}
+
+// As returns the capability T of s: s's own, or that of the store it
+// wraps (a Wrapper's Unwrap), and so on down the chain. A wrapper that
 // adds to a capability (the metrics and the cache time and watch
 // renewals, LockRenewer) implements it itself, and is found first.
-func storeAs[T any](s Store) (T, bool) {
+func As[T any](s Store) (T, bool) {
 	for {
 		if t, ok := s.(T); ok {
 			return t, true
 		}
-		w, ok := s.(interface{ Unwrap() Store })
+		w, ok := s.(Wrapper)
 		if !ok {
 			var zero T
 			return zero, false
@@ -166,10 +214,10 @@ func storeAs[T any](s Store) (T, bool) {
 	}
 }
 
-// innermost is the store at the bottom of s's chain: the store module.
-func innermost(s Store) Store {
+// Innermost is the store at the bottom of s's chain: the store module.
+func Innermost(s Store) Store {
 	for {
-		w, ok := s.(interface{ Unwrap() Store })
+		w, ok := s.(Wrapper)
 		if !ok {
 			return s
 		}
@@ -197,7 +245,7 @@ var ErrStoreFull = errors.New("idempotency: store is full")
 var ErrUnstorable = errors.New("idempotency: the store cannot keep this response")
 
 // RecordKey identifies a record: the keyed hash of the credential
-// (credential.go) and the client's Idempotency-Key. The raw credential
+// (the handler's credential.go) and the client's Idempotency-Key. The raw credential
 // never reaches a store.
 type RecordKey struct {
 	CredentialHash [32]byte
@@ -209,24 +257,17 @@ type RecordKey struct {
 // record of the request that took it over.
 type LockToken [16]byte
 
-// keptBody is body as a store keeps it when Complete gives it up: as it
+// KeptBody is body as a store keeps it when Complete gives it up: as it
 // is, unless its buffer is much larger than the body (a response of
 // undeclared length, grown by append; a HEAD answer's buffer sized for
 // its Content-Length), which is cut to its size, so that a kept body
 // holds at most an eighth (or 256 bytes) more than its bytes. Slack
 // under that is not worth a copy: the allocator rounds sizes up as much.
-func keptBody(body []byte) []byte {
+func KeptBody(body []byte) []byte {
 	if slack := cap(body) - len(body); slack > 256 && slack > len(body)/8 {
 		return bytes.Clone(body)
 	}
 	return body
-}
-
-// newLockToken returns a random token.
-func newLockToken() LockToken {
-	var t LockToken
-	_, _ = rand.Read(t[:]) // crypto/rand.Read never returns an error
-	return t
 }
 
 // Status is the state of a record.
