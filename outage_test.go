@@ -289,57 +289,43 @@ func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
 // replays. Catches a retry that takes the record over and executes the
 // request a second time beside its live owner.
 func TestPartitionLongerThanLeaseRetriedHere(t *testing.T) {
-	t.Run("retried once the database answers", testPartitionRetriedAfter)
-	t.Run("retried early in the partition", testPartitionRetriedEarly)
-}
-
-func testPartitionRetriedAfter(t *testing.T) {
-	const lock = 2 * time.Second
-	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
-	up := newUpstream(t)
-	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(), fmt.Sprintf(
-		"store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}\n\t\tlock_timeout %s\n\t\tretry_after 1s\n\t\tprune_interval 0",
-		throughForwarder(t, sb.DSN, fwd), sb.Table, lock))
 	// The upstream is still running when the database answers again.
-	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3*lock + time.Second)}
-	owner := runBackground(t, s, c)
-	up.WaitStarted(t, 1)
-	fwd.Cut()
-	time.Sleep(2*lock + 500*time.Millisecond)
-	fwd.Restore()
-
-	retry := s.Do(t, c)
-	if retry.Status != http.StatusConflict || problemType(retry) != "in-progress" {
-		t.Errorf("a retry once the database answers again, its owner still running: %s, want 409 in progress", retry)
-	}
-	first := <-owner
-	wantExecuted(t, first, http.StatusCreated)
-	wantReplayOf(t, pollPastInProgress(t, s, c), first)
-	wantCount(t, up, 1)
+	t.Run("retried once the database answers", func(t *testing.T) {
+		testPartitionRetried(t, 2*time.Second, 7*time.Second, true)
+	})
+	// A retry sent early in the partition, while the owner's lease is
+	// still live, is answered here too, not sent: an acquire held in the
+	// network would reach the database after the lease ended and take
+	// the record over. Here the cut refuses connections, so an acquire
+	// sent would fail (503 after the store's timeout); answered here, it
+	// is 409 in progress at once.
+	t.Run("retried early in the partition", func(t *testing.T) {
+		testPartitionRetried(t, 6*time.Second, 3*time.Second, false)
+	})
 }
 
-// A retry sent early in the partition, while the owner's lease is still
-// live, is answered here too, not sent: an acquire held in the network
-// would reach the database after the lease ended and take the record
-// over. Here the cut refuses connections, so an acquire sent would fail
-// (503 after the store's timeout); answered here, it is 409 in progress
-// at once, and the replay once the owner has stored its response.
-func testPartitionRetriedEarly(t *testing.T) {
-	const lock = 6 * time.Second
+// testPartitionRetried runs a request whose upstream takes upstream
+// under lock_timeout lock, cuts the database, and retries the request on
+// the same instance: once the cut has outlasted the lease and ended
+// (afterCut), or at once during it.
+func testPartitionRetried(t *testing.T, lock, upstream time.Duration, afterCut bool) {
 	sb := postgresBackend(t)
 	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
 	up := newUpstream(t)
 	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(), fmt.Sprintf(
 		"store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}\n\t\tlock_timeout %s\n\t\tretry_after 1s\n\t\tprune_interval 0",
 		throughForwarder(t, sb.DSN, fwd), sb.Table, lock))
-	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(3 * time.Second)}
+	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(upstream)}
 	owner := runBackground(t, s, c)
 	up.WaitStarted(t, 1)
 	fwd.Cut()
+	if afterCut {
+		time.Sleep(2*lock + 500*time.Millisecond)
+		fwd.Restore()
+	}
 	retry := s.Do(t, c)
 	if retry.Status != http.StatusConflict || problemType(retry) != "in-progress" {
-		t.Errorf("a retry early in the partition, its owner running here: %s, want 409 in progress", retry)
+		t.Errorf("a retry on the instance where its owner still runs (after the cut: %v): %s, want 409 in progress", afterCut, retry)
 	}
 	fwd.Restore()
 	first := <-owner

@@ -107,7 +107,9 @@ func (h *Handler) keepLock(q *request) *lease {
 	}
 	r.mu.Unlock()
 	ls := &lease{r: r, l: l, fp: q.fp, r0: q.r, at: liveLockKey{h.records, q.rk}}
-	liveLocks.Store(ls.at, ls)
+	liveLocks.mu.Lock()
+	liveLocks.m[ls.at] = ls
+	liveLocks.mu.Unlock()
 	return ls
 }
 
@@ -126,7 +128,14 @@ func (h *Handler) keepLock(q *request) *lease {
 // store answers again its completion, under a token nobody replaced,
 // still stores the response. So an acquire of a key whose owner runs here
 // is answered as in progress without asking the store (heldHere).
-var liveLocks sync.Map // liveLockKey -> *lease
+//
+// A map under a lock rather than a sync.Map: every acquire looks a key
+// up, and a sync.Map's keys are interfaces, which cost the lookup, the
+// insert and the delete an allocation each.
+var liveLocks = struct {
+	mu sync.Mutex
+	m  map[liveLockKey]*lease
+}{m: make(map[liveLockKey]*lease)}
 
 type liveLockKey struct {
 	records string
@@ -137,7 +146,9 @@ type liveLockKey struct {
 // here: an operator released its record (force), and the next request
 // with the key is to execute, while the owner runs on.
 func forgetLiveLock(records string, key store.RecordKey) {
-	liveLocks.Delete(liveLockKey{records, key})
+	liveLocks.mu.Lock()
+	delete(liveLocks.m, liveLockKey{records, key})
+	liveLocks.mu.Unlock()
 }
 
 // heldHere returns the record that an owner in this process holds for
@@ -147,11 +158,12 @@ func forgetLiveLock(records string, key store.RecordKey) {
 // request waiting for it (`wait`) must then find the response, not the
 // owner that is about to let go.
 func heldHere(records string, key store.RecordKey) *store.Record {
-	v, ok := liveLocks.Load(liveLockKey{records, key})
-	if !ok {
+	liveLocks.mu.Lock()
+	ls := liveLocks.m[liveLockKey{records, key}]
+	liveLocks.mu.Unlock()
+	if ls == nil {
 		return nil
 	}
-	ls := v.(*lease)
 	// A lock found lost counts too: a renewal that reached the store
 	// after the lease ended finds it lost, though no one took it, and
 	// the owner's completion may still store the response. If another
@@ -194,7 +206,11 @@ func (ls *lease) completing() {
 // renewal that reaches the store after the record was completed or
 // released finds no record in progress to change.
 func (ls *lease) stop() {
-	liveLocks.CompareAndDelete(ls.at, ls)
+	liveLocks.mu.Lock()
+	if liveLocks.m[ls.at] == ls {
+		delete(liveLocks.m, ls.at)
+	}
+	liveLocks.mu.Unlock()
 	ls.r.mu.Lock()
 	defer ls.r.mu.Unlock()
 	delete(ls.r.held, ls.l)
