@@ -15,31 +15,6 @@ import (
 // that it does not own (a replay, a conflict, a refusal), decided once for
 // enforcement and shadow mode alike, and the replay of a stored response.
 
-// existing answers a request whose key already has a record that this
-// request does not own.
-func (h *Handler) existing(q *request, rec *store.Record) error {
-	d := h.decide(q, rec)
-	if h.Shadow {
-		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
-			d.write(c, q, zap.String("would", d.result))
-		}
-		return h.pass(q, d.result)
-	}
-	if c := h.logger.Check(zapcore.InfoLevel, d.msg); c != nil {
-		d.write(c, q)
-	}
-	if d.result != resultReplayed {
-		if d.counts != nil {
-			d.counts.Inc()
-		}
-		return h.finish(q.w, q.repl, d.result, d.prob, d.retryAfter)
-	}
-	h.metrics.replayAge.Observe(d.age)
-	h.setResult(q.repl, resultReplayed)
-	h.replay(q.w, q.r, rec.Response, d.gunzip)
-	return nil
-}
-
 // decision is the verdict on a request whose key has a record that the
 // request does not own, with the line that logs it: enforcement answers
 // it, shadow mode logs it and executes the request instead (existing).

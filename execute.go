@@ -117,9 +117,7 @@ func (h *Handler) execute(q *request) error {
 			p.Status = he.StatusCode
 		}
 		h.logger.Error("idempotency.outcome_unknown", q.fields(zap.Bool("execution_timeout", execCtx.Err() != nil), zap.Error(err))...)
-		if !rec.wroteHeader && !h.Shadow {
-			p.write(rec, 0)
-		}
+		h.answerOwn(rec, p)
 		resp = p.response()
 	}
 
@@ -128,29 +126,13 @@ func (h *Handler) execute(q *request) error {
 		// execute, not replay the failure (outcome-unknown included).
 		ls.stop()
 		h.releaseUnstored(q, resp.Status)
-		if h.Shadow {
-			return err
-		}
-		return nil
+		return h.executed(err, true)
 	}
 	stored := h.complete(q, resp, ls)
 	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.executed"); c != nil && stored {
 		c.Write(q.fields(zap.Int("status", resp.Status))...)
 	}
-	if h.Shadow {
-		// Shadow mode changes no response: the error goes on to the
-		// site's error handling, as it would without this handler.
-		return err
-	}
-	if !stored {
-		// The client has the response as it streamed, but not its end:
-		// a chunked body's last chunk, an HTTP/2 stream's end, go out
-		// only once this returns. A response that no retry will get
-		// must not end as a success, so the connection is cut instead
-		// (a body with a Content-Length may already be whole).
-		panic(http.ErrAbortHandler)
-	}
-	return nil
+	return h.executed(err, stored)
 }
 
 // answerUnexecuted answers a request whose key was released because
@@ -158,17 +140,16 @@ func (h *Handler) execute(q *request) error {
 // instead of returning the error: Caddy would run the error routes
 // (handle_errors, a subroute's errors) on it, outside this handler's
 // protection, and a reverse_proxy fallback there would execute every
-// retry of the key. The status is the one Caddy would have sent. Shadow
-// mode changes no response: the error goes on as without the handler.
+// retry of the key. The status is the one Caddy would have sent.
 func (h *Handler) answerUnexecuted(q *request, rec *recorder, err error) error {
 	markUnexecuted(q.r.Context())
-	if err == nil || rec.wroteHeader || h.Shadow {
+	if err == nil || rec.wroteHeader {
 		return err
 	}
 	p := probNotExecuted.worded(h.words)
 	p.Status = unexecutedStatus(err)
-	p.write(rec, 0)
-	return nil
+	h.answerOwn(rec, p)
+	return h.executed(err, true)
 }
 
 // unexecutedStatus is the status Caddy answers err with.

@@ -1,9 +1,12 @@
 package idempotency
 
 // The client-friendly modes: wait (wait.go), mismatch_status, shadow and
-// on_store_error. Each changes what one step of the request path does
-// when it would refuse a request; the path itself is ServeHTTP, in
-// module.go, the one path a protected request takes in every mode.
+// on_store_error, and the one policy that tells them apart. The path is
+// ServeHTTP, in module.go, the one path a protected request takes in
+// every mode; each of its steps ends in a verdict, and the functions
+// here (answer, refuse, storeFailed, existing, answerOwn, executed) are
+// where a mode decides what the client gets for it. No other code asks
+// which mode is on.
 
 import (
 	"fmt"
@@ -93,18 +96,18 @@ func (h *Handler) setResult(repl *caddy.Replacer, r string) {
 	repl.Set(resultPlaceholder, r)
 }
 
-// The one policy that tells the modes apart: what a request that does
-// not execute under its record gets. Enforcement answers the verdict;
-// shadow mode logs it and hands the request on, unrecorded, under the
-// result shadow_<result>; on_store_error fail_open hands a request on when
-// the store failed.
+// The one policy that tells the modes apart: what a request gets for a
+// verdict. Enforcement answers the verdict; shadow mode logs it and hands
+// the request on, unrecorded, under the result shadow_<result>, and
+// changes no response of a request it executes; on_store_error fail_open
+// hands a request on when the store failed.
 
 // handOn passes the request to the next handler, unprotected, with its
 // body if step 3 read it. It owns no record, so handlers inside this one
 // enforce as they would alone (nesting.go).
 func (q *request) handOn() error {
 	if q.bodyRead {
-		restoreBody(q.r, q.body, nil)
+		restoreBody(q.r, q.body, q.bodyCut)
 	}
 	return q.next.ServeHTTP(q.w, q.r)
 }
@@ -139,6 +142,33 @@ func (h *Handler) refuse(q *request, key string, p problem) error {
 	return h.pass(q, resultRejected)
 }
 
+// existing answers a request whose key already has a record that this
+// request does not own.
+func (h *Handler) existing(q *request, rec *store.Record) error {
+	d := h.decide(q, rec)
+	if h.Shadow {
+		// What enforcement would have answered, at the level that logs
+		// it, and the request executes instead.
+		if c := h.logger.Check(zapcore.InfoLevel, "idempotency.shadow"); c != nil {
+			d.write(c, q, zap.String("would", d.result))
+		}
+		return h.pass(q, d.result)
+	}
+	if c := h.logger.Check(zapcore.InfoLevel, d.msg); c != nil {
+		d.write(c, q)
+	}
+	if d.result != resultReplayed {
+		if d.counts != nil {
+			d.counts.Inc()
+		}
+		return h.finish(q.w, q.repl, d.result, d.prob, d.retryAfter)
+	}
+	h.metrics.replayAge.Observe(d.age)
+	h.setResult(q.repl, resultReplayed)
+	h.replay(q.w, q.r, rec.Response, d.gunzip)
+	return nil
+}
+
 // storeFailed ends q, whose store failed (the error is logged): 503, or
 // with on_store_error fail_open the request executes without
 // protection, since this route prefers a possible duplicate to a 503.
@@ -158,4 +188,34 @@ func (h *Handler) storeFailed(q *request) error {
 		hideKeyFromTransport(q.r.Header)
 	}
 	return q.handOn()
+}
+
+// answerOwn answers an executed request with p, the module's own answer,
+// where the next handler wrote no response. Shadow mode changes no
+// response.
+func (h *Handler) answerOwn(rec *recorder, p problem) {
+	if !h.Shadow && !rec.wroteHeader {
+		p.write(rec, 0)
+	}
+}
+
+// executed is what ServeHTTP returns for a request that executed under
+// its record, once the record is settled (stored, or released unstored),
+// given the next handler's error err. Enforcement has answered for err
+// (answerOwn), and keeps it from Caddy's error routes, which would run
+// outside this protection. Shadow mode changes no response: err goes on
+// to the site's error handling, as it would without this handler.
+func (h *Handler) executed(err error, settled bool) error {
+	if h.Shadow {
+		return err
+	}
+	if !settled {
+		// The client has the response as it streamed, but not its end:
+		// a chunked body's last chunk, an HTTP/2 stream's end, go out
+		// only once this returns. A response that no retry will get
+		// must not end as a success, so the connection is cut instead
+		// (a body with a Content-Length may already be whole).
+		panic(http.ErrAbortHandler)
+	}
+	return nil
 }

@@ -563,10 +563,12 @@ type request struct {
 	rk     store.RecordKey // the record's key: the key under the credential (step 2)
 	credID string          // the credential, as logs name it (credentialID)
 	fp     [32]byte        // the fingerprint (step 4)
-	// body is the request's body once it has been read whole
-	// (bodyRead, step 3), which handOn gives back to the request.
+	// body is the request's body once it has been read (bodyRead, step
+	// 3), which handOn gives back to the request: whole, or, where
+	// reading stopped at bodyCut, the part read and then the rest.
 	body     []byte
 	bodyRead bool
+	bodyCut  *problem
 	token    store.LockToken // this request's claim on its record (step 5)
 	// dated is when the lock was last dated: no later than when the
 	// store got the acquire, or the renewal, that dated it. Renewals
@@ -628,14 +630,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// key read from it.
 	body, held, prob := h.readBody(r)
 	defer h.bodyBudget.release(held)
+	q.body, q.bodyRead, q.bodyCut = body, true, prob
 	if prob != nil {
-		if h.Shadow {
-			// Passed on as it came: the part read, then the rest.
-			restoreBody(r, body, prob)
-		}
 		return h.refuse(&q, key, *prob)
 	}
-	q.body, q.bodyRead = body, true
 	if h.keyPointer != nil {
 		switch prob := h.keyFromBody(&q, body); {
 		case prob != nil:
