@@ -75,13 +75,6 @@ var runningStores struct {
 	users map[*Handler]storeUser
 }
 
-// adminNamer names a store to an operator: name (before
-// disambiguation), backend, and for a table its name and database. A
-// store without it is named after its module.
-type adminNamer interface {
-	adminName() (name, backend, table, database string)
-}
-
 // registerStore makes h's store, if it is an Inspector, reachable
 // through the admin API until h's config is unloaded (Cleanup).
 func (h *Handler) registerStore() {
@@ -90,9 +83,10 @@ func (h *Handler) registerStore() {
 		return
 	}
 	u := storeUser{h: h, store: s, cache: h.cache, group: h.records}
-	if n, ok := store.As[adminNamer](h.store); ok {
-		u.name, u.backend, u.table, u.database = n.adminName()
+	if n, ok := store.As[store.Named](h.store); ok {
+		u.name, u.backend, u.table, u.database = n.StoreName()
 	} else {
+		// A store without a name of its own is named after its type.
 		u.name = fmt.Sprintf("%T", store.Innermost(h.store))
 		if m, ok := store.Innermost(h.store).(caddy.Module); ok {
 			u.name = m.CaddyModule().ID.Name()

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -279,7 +280,7 @@ func TestAdminAPIReleaseEndedLease(t *testing.T) {
 	up.WaitStarted(t, 1)
 	// As if its owner had died: the lease ends, and is not renewed
 	// before the default lock_timeout's third, 10s.
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET locked_until = now() - interval '1 second' WHERE key = $1`, k)
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET locked_until = now() - interval '1 second' WHERE key = $1`, k)
 	recs := admin.records(url.Values{"store": {name}, "key": {k}}, nil)
 	if len(recs.Records) != 1 || !recs.Records[0].LeaseEnded {
 		t.Fatalf("the record whose lease ended: %+v", recs)

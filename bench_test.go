@@ -18,7 +18,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/stores/memory"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -97,7 +99,7 @@ func newReplayBench(tb testing.TB, respSize int, cache bool) *replayBench {
 		Body:          rewindBody{b.body},
 		ContentLength: int64(len(reqBody)),
 	}).WithContext(context.WithValue(context.Background(), caddy.ReplacerCtxKey, repl))
-	key := "bench-" + randomHex(8)
+	key := "bench-" + pgtest.RandomHex(8)
 	setHeader := func() {
 		// Executing re-files the key header (hideKeyFromTransport).
 		b.r.Header = http.Header{
@@ -285,7 +287,7 @@ func (fe *firstExecutionBench) run(tb testing.TB) {
 		}
 		fe.keys, fe.i = make([]string, 0, 1<<12), 0
 		for range 1 << 12 {
-			fe.keys = append(fe.keys, "first-"+randomHex(8))
+			fe.keys = append(fe.keys, "first-"+pgtest.RandomHex(8))
 		}
 	}
 	rb.body.Reset(rb.req)
@@ -337,7 +339,7 @@ func (benchMemoryStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID: "http.handlers.idempotency.stores.bench_memory",
 		New: func() caddy.Module {
-			return &benchMemoryStore{&MemoryStore{MaxEntries: 1 << 24, records: newMemoryRecords(1<<24, time.Now)}}
+			return &benchMemoryStore{memory.New(1<<24, time.Now)}
 		},
 	}
 }

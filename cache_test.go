@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/memory"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -31,18 +33,18 @@ func (s *cacheCountingStore) Acquire(ctx context.Context, req store.AcquireReque
 
 // newCacheTest is a cache of capacity bytes over a memory store. The
 // cache's clock and the store's are separate, as a Postgres's is.
-func newCacheTest(capacity int64) (*replayCache, *cacheCountingStore, *memClock, *memClock) {
+func newCacheTest(capacity int64) (*replayCache, *cacheCountingStore, *storetest.Clock, *storetest.Clock) {
 	mem, storeClock := newTestMemoryStore(1000)
 	inner := &cacheCountingStore{Store: mem}
 	c := newReplayCache(inner, capacity)
-	localClock := &memClock{t: storeClock.now()}
-	c.now = localClock.now
+	localClock := storetest.NewClock()
+	c.now = localClock.Now
 	return c, inner, storeClock, localClock
 }
 
 // tenantRequest is memTestRequest for the tenant with credential cred.
 func cacheTenantRequest(cred, key string) store.AcquireRequest {
-	req := memTestRequest(key)
+	req := storetest.Request("cred", key, "body")
 	req.Key.CredentialHash = sha256.Sum256([]byte(cred))
 	return req
 }
@@ -61,7 +63,7 @@ func cacheResponse(body string) *store.Response {
 // execute creates and completes the record of req through s.
 func cacheExecute(t *testing.T, s store.Store, req store.AcquireRequest, resp *store.Response) {
 	t.Helper()
-	mustAcquire(t, s, req, store.OutcomeCreated)
+	storetest.MustAcquire(t, s, req, store.OutcomeCreated)
 	if err := s.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
 		t.Fatalf("Complete(%q): %v", req.Key.Key, err)
 	}
@@ -70,7 +72,7 @@ func cacheExecute(t *testing.T, s store.Store, req store.AcquireRequest, resp *s
 func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, req store.AcquireRequest, body string) {
 	t.Helper()
 	before := inner.acquires.Load()
-	rec := mustAcquire(t, c, retryRequest(req), store.OutcomeExisting)
+	rec := storetest.MustAcquire(t, c, storetest.Retry(req), store.OutcomeExisting)
 	if n := inner.acquires.Load() - before; n != 0 {
 		t.Errorf("replay of %q reached the store %d times, want 0", req.Key.Key, n)
 	}
@@ -89,7 +91,7 @@ func wantCacheReplay(t *testing.T, c *replayCache, inner *cacheCountingStore, re
 func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req store.AcquireRequest, want store.Outcome) *store.Record {
 	t.Helper()
 	before := inner.acquires.Load()
-	rec := mustAcquire(t, c, req, want)
+	rec := storetest.MustAcquire(t, c, req, want)
 	if n := inner.acquires.Load() - before; n != 1 {
 		t.Errorf("Acquire(%q) reached the store %d times, want 1", req.Key.Key, n)
 	}
@@ -98,7 +100,7 @@ func wantCacheMiss(t *testing.T, c *replayCache, inner *cacheCountingStore, req 
 
 func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
-	req := memTestRequest("key-complete")
+	req := storetest.Request("cred", "key-complete", "body")
 	cacheExecute(t, c, req, cacheResponse("first"))
 	wantCacheReplay(t, c, inner, req, "first")
 	wantCacheReplay(t, c, inner, req, "first")
@@ -106,9 +108,9 @@ func TestReplayCacheLearnsFromComplete(t *testing.T) {
 	// The caller gave the response up (Store.Complete): the cache keeps
 	// its body as it is, without a copy per first execution.
 	resp := cacheResponse("second")
-	req2 := memTestRequest("key-share")
+	req2 := storetest.Request("cred", "key-share", "body")
 	cacheExecute(t, c, req2, resp)
-	rec := mustAcquire(t, c, retryRequest(req2), store.OutcomeExisting)
+	rec := storetest.MustAcquire(t, c, storetest.Retry(req2), store.OutcomeExisting)
 	if string(rec.Response.Body) != "second" || rec.Response.Header.Get("Content-Type") != "application/json" {
 		t.Errorf("cached response %q %v, want the one completed", rec.Response.Body, rec.Response.Header)
 	}
@@ -122,22 +124,22 @@ func TestReplayCacheLearnsFromComplete(t *testing.T) {
 func TestReplayCacheWithoutLearnOnComplete(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
 	c.learnOnComplete = false
-	req := memTestRequest("key-learn-late")
+	req := storetest.Request("cred", "key-learn-late", "body")
 	cacheExecute(t, c, req, cacheResponse("first"))
 	if len(c.pending) != 0 || len(c.entries) != 0 {
 		t.Fatalf("a first execution left %d pending records and %d entries", len(c.pending), len(c.entries))
 	}
-	wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+	wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 	wantCacheReplay(t, c, inner, req, "first")
 }
 
 func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
-	req := memTestRequest("key-other-instance")
+	req := storetest.Request("cred", "key-other-instance", "body")
 	// Another instance (straight to the store) executed the request.
 	cacheExecute(t, inner.Store, req, cacheResponse("elsewhere"))
 
-	rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+	rec := wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 	if string(rec.Response.Body) != "elsewhere" {
 		t.Fatalf("first replay = %q", rec.Response.Body)
 	}
@@ -145,9 +147,9 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 
 	// A different request under the key is answered from the cache too,
 	// with the record that tells the handler it is a mismatch.
-	other := retryRequest(req)
+	other := storetest.Retry(req)
 	other.Fingerprint = [32]byte{9}
-	got := mustAcquire(t, c, other, store.OutcomeExisting)
+	got := storetest.MustAcquire(t, c, other, store.OutcomeExisting)
 	if got.Fingerprint != req.Fingerprint {
 		t.Errorf("mismatching request got fingerprint %x, want the original's", got.Fingerprint)
 	}
@@ -155,12 +157,12 @@ func TestReplayCacheLearnsFromAcquire(t *testing.T) {
 
 func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 	c, inner, _, _ := newCacheTest(1 << 20)
-	req := memTestRequest("key-in-progress")
-	mustAcquire(t, c, req, store.OutcomeCreated)
+	req := storetest.Request("cred", "key-in-progress", "body")
+	storetest.MustAcquire(t, c, req, store.OutcomeCreated)
 
 	// Retries while it runs all reach the store, and see it in progress.
 	for range 3 {
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 		if rec.Status != store.StatusInProgress {
 			t.Fatalf("retry saw %s, want in_progress", rec.Status)
 		}
@@ -173,10 +175,10 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 	wantCacheReplay(t, c, inner, req, "done")
 
 	// In progress as seen through another instance: not cached either.
-	req2 := memTestRequest("key-in-progress-elsewhere")
-	mustAcquire(t, inner.Store, req2, store.OutcomeCreated)
+	req2 := storetest.Request("cred", "key-in-progress-elsewhere", "body")
+	storetest.MustAcquire(t, inner.Store, req2, store.OutcomeCreated)
 	for range 2 {
-		wantCacheMiss(t, c, inner, retryRequest(req2), store.OutcomeExisting)
+		wantCacheMiss(t, c, inner, storetest.Retry(req2), store.OutcomeExisting)
 	}
 	if n := len(c.entries); n != 1 {
 		t.Errorf("cache holds %d entries, want 1 (the completed one)", n)
@@ -186,37 +188,37 @@ func TestReplayCacheNeverCachesInProgress(t *testing.T) {
 func TestReplayCacheNeverServesExpired(t *testing.T) {
 	t.Run("learned from Complete", func(t *testing.T) {
 		c, inner, storeClock, localClock := newCacheTest(1 << 20)
-		req := memTestRequest("key-expiring")
+		req := storetest.Request("cred", "key-expiring", "body")
 		cacheExecute(t, c, req, cacheResponse("old"))
-		localClock.advance(memTestRetention - time.Millisecond)
-		storeClock.advance(memTestRetention - time.Millisecond)
+		localClock.Advance(storetest.Retention - time.Millisecond)
+		storeClock.Advance(storetest.Retention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
 
-		localClock.advance(time.Millisecond)
-		storeClock.advance(time.Millisecond)
+		localClock.Advance(time.Millisecond)
+		storeClock.Advance(time.Millisecond)
 		// Expired: the store treats it as absent and the request executes.
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, clocks skewed", func(t *testing.T) {
 		c, inner, storeClock, localClock := newCacheTest(1 << 20)
-		req := memTestRequest("key-skewed")
+		req := storetest.Request("cred", "key-skewed", "body")
 		cacheExecute(t, inner.Store, req, cacheResponse("old"))
 		// The store's clock runs 10s behind the cache's: its expiry is
 		// 10s late on the cache's clock. The entry must not outlive the
 		// record on the store's clock.
-		localClock.advance(10 * time.Second)
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		localClock.Advance(10 * time.Second)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 		wantCacheReplay(t, c, inner, req, "old")
 
 		// Served until the record's expiry, as the store measures the
 		// record's lifetime; from there on it is not.
-		localClock.advance(memTestRetention - time.Millisecond)
-		storeClock.advance(memTestRetention - time.Millisecond)
+		localClock.Advance(storetest.Retention - time.Millisecond)
+		storeClock.Advance(storetest.Retention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
-		localClock.advance(time.Millisecond)
-		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
+		localClock.Advance(time.Millisecond)
+		storeClock.Advance(time.Millisecond)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Acquire, store clock ahead", func(t *testing.T) {
@@ -224,31 +226,31 @@ func TestReplayCacheNeverServesExpired(t *testing.T) {
 		// The store's clock runs an hour ahead: taken at its word, the
 		// record would live an hour too long on the cache's clock. The
 		// retention bounds the entry from the moment it was learned.
-		storeClock.advance(time.Hour)
-		req := memTestRequest("key-ahead")
+		storeClock.Advance(time.Hour)
+		req := storetest.Request("cred", "key-ahead", "body")
 		cacheExecute(t, inner.Store, req, cacheResponse("old"))
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
-		localClock.advance(memTestRetention - time.Millisecond)
-		storeClock.advance(memTestRetention - time.Millisecond)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
+		localClock.Advance(storetest.Retention - time.Millisecond)
+		storeClock.Advance(storetest.Retention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
-		localClock.advance(time.Millisecond)
-		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
+		localClock.Advance(time.Millisecond)
+		storeClock.Advance(time.Millisecond)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeCreated)
 	})
 
 	t.Run("learned from Complete, store clock ahead", func(t *testing.T) {
 		c, inner, storeClock, localClock := newCacheTest(1 << 20)
 		// Whatever the store's clock, the record expires a retention
 		// after it was created, which is after the Acquire began here.
-		storeClock.advance(time.Hour)
-		req := memTestRequest("key-complete-ahead")
+		storeClock.Advance(time.Hour)
+		req := storetest.Request("cred", "key-complete-ahead", "body")
 		cacheExecute(t, c, req, cacheResponse("old"))
-		localClock.advance(memTestRetention - time.Millisecond)
-		storeClock.advance(memTestRetention - time.Millisecond)
+		localClock.Advance(storetest.Retention - time.Millisecond)
+		storeClock.Advance(storetest.Retention - time.Millisecond)
 		wantCacheReplay(t, c, inner, req, "old")
-		localClock.advance(time.Millisecond)
-		storeClock.advance(time.Millisecond)
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
+		localClock.Advance(time.Millisecond)
+		storeClock.Advance(time.Millisecond)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeCreated)
 	})
 }
 
@@ -271,42 +273,42 @@ func TestReplayCacheTenantsAreIsolated(t *testing.T) {
 func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 	t.Run("not replayable", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
-		req := memTestRequest("key-too-large")
+		req := storetest.Request("cred", "key-too-large", "body")
 		cacheExecute(t, c, req, &store.Response{Status: 200, Header: http.Header{}, Replayable: false, BodySize: 1 << 30})
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 		if rec.Response.Replayable {
 			t.Fatal("store says replayable")
 		}
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 	})
 	t.Run("larger than a share of the cache", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(64 << 10)
-		req := memTestRequest("key-big")
+		req := storetest.Request("cred", "key-big", "body")
 		cacheExecute(t, c, req, cacheResponse(strings.Repeat("x", 8<<10)))
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 	})
 	t.Run("released", func(t *testing.T) {
 		c, inner, _, _ := newCacheTest(1 << 20)
-		req := memTestRequest("key-released")
-		mustAcquire(t, c, req, store.OutcomeCreated)
+		req := storetest.Request("cred", "key-released", "body")
+		storetest.MustAcquire(t, c, req, store.OutcomeCreated)
 		if err := c.Release(context.Background(), req.Key, req.Token); err != nil {
 			t.Fatal(err)
 		}
 		if len(c.pending) != 0 {
 			t.Errorf("%d pending records after release", len(c.pending))
 		}
-		wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeCreated)
+		wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeCreated)
 	})
 	t.Run("lock lost", func(t *testing.T) {
 		c, inner, storeClock, _ := newCacheTest(1 << 20)
-		req := memTestRequest("key-lost")
-		mustAcquire(t, c, req, store.OutcomeCreated)
+		req := storetest.Request("cred", "key-lost", "body")
+		storetest.MustAcquire(t, c, req, store.OutcomeCreated)
 		// A retry takes the stale lock over, through another instance,
 		// and completes it with its own response.
-		storeClock.advance(memTestLockTimeout + time.Second)
-		other := retryRequest(req)
-		mustAcquire(t, inner.Store, other, store.OutcomeTakenOver)
+		storeClock.Advance(storetest.LockTimeout + time.Second)
+		other := storetest.Retry(req)
+		storetest.MustAcquire(t, inner.Store, other, store.OutcomeTakenOver)
 		if err := inner.Store.Complete(context.Background(), other.Key, other.Token, cacheResponse("taker's"), other.Retention); err != nil {
 			t.Fatal(err)
 		}
@@ -317,7 +319,7 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 		if len(c.pending) != 0 || len(c.entries) != 0 {
 			t.Errorf("after a lost lock: %d pending, %d entries", len(c.pending), len(c.entries))
 		}
-		rec := wantCacheMiss(t, c, inner, retryRequest(req), store.OutcomeExisting)
+		rec := wantCacheMiss(t, c, inner, storetest.Retry(req), store.OutcomeExisting)
 		if string(rec.Response.Body) != "taker's" {
 			t.Errorf("replay = %q, want the taker's", rec.Response.Body)
 		}
@@ -327,13 +329,13 @@ func TestReplayCacheKeepsOnlyWhatItMay(t *testing.T) {
 func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	body := strings.Repeat("b", 600)
 	// Room for three entries of about 1 KiB, and entries up to 1 KiB.
-	entry := cacheEntryOverhead + int64(len("key-lru-0")+len(http.MethodPost)+len("/charges")+len(body)) +
+	entry := cacheEntryOverhead + int64(len("key-lru-0")+len(http.MethodPost)+len("/v1/charges")+len(body)) +
 		int64(len("Content-Type")+len("application/json")+16+len("X-Multi")+len("one")+len("two")+32)
 	c, inner, _, _ := newCacheTest(3*entry + entry/2)
 	c.maxEntry = entry
 	reqs := make([]store.AcquireRequest, 4)
 	for i := range reqs {
-		reqs[i] = memTestRequest(fmt.Sprintf("key-lru-%d", i))
+		reqs[i] = storetest.Request("cred", fmt.Sprintf("key-lru-%d", i), "body")
 	}
 	for _, r := range reqs[:3] {
 		cacheExecute(t, c, r, cacheResponse(body))
@@ -343,7 +345,7 @@ func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	wantCacheReplay(t, c, inner, reqs[0], body)
 	wantCacheReplay(t, c, inner, reqs[2], body)
 	wantCacheReplay(t, c, inner, reqs[3], body)
-	wantCacheMiss(t, c, inner, retryRequest(reqs[1]), store.OutcomeExisting)
+	wantCacheMiss(t, c, inner, storetest.Retry(reqs[1]), store.OutcomeExisting)
 	if c.size > c.capacity {
 		t.Errorf("size %d over capacity %d", c.size, c.capacity)
 	}
@@ -352,7 +354,7 @@ func TestReplayCacheEvictsLeastRecentlyUsed(t *testing.T) {
 func TestReplayCacheBoundedByBytes(t *testing.T) {
 	c, _, _, _ := newCacheTest(64 << 10)
 	for i := range 500 {
-		cacheExecute(t, c, memTestRequest(fmt.Sprintf("key-bound-%04d", i)), cacheResponse(strings.Repeat("z", 1000)))
+		cacheExecute(t, c, storetest.Request("cred", fmt.Sprintf("key-bound-%04d", i), "body"), cacheResponse(strings.Repeat("z", 1000)))
 		if c.size > c.capacity {
 			t.Fatalf("after %d entries: size %d over capacity %d", i+1, c.size, c.capacity)
 		}
@@ -373,9 +375,9 @@ func TestReplayCacheBoundedByBytes(t *testing.T) {
 
 func TestReplayCacheSweepsAbandonedPending(t *testing.T) {
 	c, _, _, localClock := newCacheTest(1 << 20)
-	mustAcquire(t, c, memTestRequest("key-abandoned"), store.OutcomeCreated)
-	localClock.advance(memTestRetention + time.Minute)
-	mustAcquire(t, c, memTestRequest("key-later"), store.OutcomeCreated)
+	storetest.MustAcquire(t, c, storetest.Request("cred", "key-abandoned", "body"), store.OutcomeCreated)
+	localClock.Advance(storetest.Retention + time.Minute)
+	storetest.MustAcquire(t, c, storetest.Request("cred", "key-later", "body"), store.OutcomeCreated)
 	if len(c.pending) != 1 {
 		t.Errorf("%d pending records, want 1: the abandoned one is past its expiry", len(c.pending))
 	}
@@ -385,7 +387,7 @@ func TestReplayCacheSweepsAbandonedPending(t *testing.T) {
 // keys of several tenants through one small cache (under -race in CI):
 // every answer must be the response of its own tenant and key.
 func TestReplayCacheConcurrent(t *testing.T) {
-	mem := &MemoryStore{MaxEntries: 100_000, records: newMemoryRecords(100_000, time.Now)}
+	mem := memory.New(100_000, time.Now)
 	c := newReplayCache(mem, 32<<10)
 	tenants := []string{"Bearer t1", "Bearer t2", "Bearer t3"}
 	const keys, workers, ops = 40, 8, 400
@@ -528,9 +530,23 @@ func (cacheTestStore) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{
 		ID: "http.handlers.idempotency.stores.cache_test",
 		New: func() caddy.Module {
-			return &cacheTestStore{Store: &MemoryStore{records: newMemoryRecords(10, time.Now)}}
+			return &cacheTestStore{Store: memory.New(10, time.Now)}
 		},
 	}
 }
 
 func init() { caddy.RegisterModule(cacheTestStore{}) }
+
+// A body the replay cache keeps holds at most an eighth (or 256 bytes)
+// more than its bytes, as the stores' (store.KeptBody); a tight one is
+// kept as it is, without a copy.
+func TestCachedBodiesAreCutToTheirSize(t *testing.T) {
+	loose := make([]byte, 10, 64<<10)
+	tight := make([]byte, 100, 110)
+	if got := cachedResponse(&store.Response{Body: loose}).Body; len(got) != 10 || cap(got) > 10+256 {
+		t.Errorf("the replay cache keeps a body of %d bytes in a buffer of %d", len(got), cap(got))
+	}
+	if got := cachedResponse(&store.Response{Body: tight}).Body; &got[0] != &tight[0] {
+		t.Error("the replay cache copied a body that fits its buffer")
+	}
+}

@@ -82,10 +82,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		switch name {
 		case "store":
 			err = h.unmarshalStore(d)
-		case "key_header":
-			err = oneArg(d, &h.KeyHeader)
-		case "credential_header":
-			err = oneArg(d, &h.CredentialHeader)
+		case "key_header", "credential_header":
+			dst := &h.KeyHeader
+			if name == "credential_header" {
+				dst = &h.CredentialHeader
+			}
+			if err = oneArg(d, dst); err == nil {
+				if err := checkHeaderNames(name, *dst); err != nil {
+					return d.Errf("idempotency: %v", err)
+				}
+			}
 		case "credential":
 			if err = oneArg(d, &h.Credential); err == nil {
 				if err := checkCredentialPlaceholder(h.Credential); err != nil {
@@ -103,14 +109,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(h.Methods) == 0 {
 				return d.ArgErr()
 			}
+			if err := checkMethods(h.Methods); err != nil {
+				return d.Errf("idempotency: %v", err)
+			}
 			for i, m := range h.Methods {
 				h.Methods[i] = strings.ToUpper(m)
-				if !validToken(m) {
-					return d.Errf("idempotency: methods: invalid method %q", m)
-				}
-				if err := checkUnsafeMethod(m); err != nil {
-					return d.Errf("idempotency: methods: %v", err)
-				}
 			}
 		case "optional":
 			if d.NextArg() {
@@ -142,10 +145,8 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(h.ExcludeHeaders) == 0 {
 				return d.ArgErr()
 			}
-			for _, name := range h.ExcludeHeaders {
-				if !validToken(name) {
-					return d.Errf("idempotency: exclude_headers: invalid header name %q", name)
-				}
+			if err := checkHeaderNames("exclude_headers", h.ExcludeHeaders...); err != nil {
+				return d.Errf("idempotency: %v", err)
 			}
 		case "wait":
 			err = durationArg(d, &h.Wait, true, minWait)
@@ -154,22 +155,24 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.Args(&s) || d.NextArg() {
 				return d.ArgErr()
 			}
-			switch s {
-			case "409", "422":
-				h.MismatchStatus, _ = strconv.Atoi(s)
-			default:
+			n, convErr := strconv.Atoi(s)
+			if convErr != nil {
 				return d.Errf("idempotency: mismatch_status must be 409 or 422, not %q", s)
 			}
+			if err := checkMismatchStatus(n); err != nil {
+				return d.Errf("idempotency: %v", err)
+			}
+			h.MismatchStatus = n
 		case "shadow":
 			if d.NextArg() {
 				return d.ArgErr()
 			}
 			h.Shadow = true
 		case "on_store_error":
-			if err = oneArg(d, &h.OnStoreError); err == nil &&
-				h.OnStoreError != onStoreErrorFailClosed && h.OnStoreError != onStoreErrorFailOpen {
-				return d.Errf("idempotency: on_store_error must be %s or %s, not %q",
-					onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
+			if err = oneArg(d, &h.OnStoreError); err == nil {
+				if err := checkOnStoreError(h.OnStoreError); err != nil {
+					return d.Errf("idempotency: %v", err)
+				}
 			}
 		case "scope":
 			err = oneArg(d, &h.Scope)
@@ -278,10 +281,11 @@ func sizeArg(d *caddyfile.Dispenser, dst *int64) error {
 	if err != nil {
 		return d.Errf("idempotency: %s: invalid size %q: %v", name, s, err)
 	}
-	if n == 0 || n > math.MaxInt32 {
-		return d.Errf("idempotency: %s: size must be between 1 byte and 2GiB, got %q", name, s)
+	size := int64(min(n, math.MaxInt64))
+	if err := checkBodySize(name, size); err != nil {
+		return d.Errf("idempotency: %v", err)
 	}
-	*dst = int64(n)
+	*dst = size
 	return nil
 }
 
@@ -316,113 +320,6 @@ func replayCacheArg(d *caddyfile.Dispenser, dst **int64) error {
 	}
 	size := int64(n)
 	*dst = &size
-	return nil
-}
-
-// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
-//
-//	memory {
-//		max_entries <n>
-//	}
-func (m *MemoryStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the backend name
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	for d.NextBlock(0) {
-		switch d.Val() {
-		case "max_entries":
-			if m.MaxEntries != 0 {
-				return d.Err("max_entries already specified")
-			}
-			if !d.NextArg() {
-				return d.ArgErr()
-			}
-			n, err := strconv.Atoi(d.Val())
-			if err != nil || n <= 0 {
-				return d.Errf("max_entries must be a positive integer, got %q", d.Val())
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			m.MaxEntries = n
-		default:
-			return d.Errf("unrecognized memory store option %q", d.Val())
-		}
-	}
-	return nil
-}
-
-// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
-//
-//	postgres {
-//	    dsn        <connection string>
-//	    listen_dsn <connection string>
-//	    table      <name>
-//	    max_conns  <n>
-//	    migrate    on|off
-//	}
-//
-// The first token is the backend name, postgres.
-func (s *PostgresStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
-	d.Next() // the backend name
-	if d.NextArg() {
-		return d.ArgErr()
-	}
-	seen := make(map[string]bool)
-	for d.NextBlock(0) {
-		opt := d.Val()
-		if seen[opt] {
-			return d.Errf("postgres store: %s specified more than once", opt)
-		}
-		seen[opt] = true
-		var arg string
-		switch opt {
-		case "dsn":
-			if !d.AllArgs(&s.DSN) {
-				return d.ArgErr()
-			}
-		case "listen_dsn":
-			if !d.AllArgs(&s.ListenDSN) {
-				return d.ArgErr()
-			}
-		case "table":
-			if !d.AllArgs(&arg) {
-				return d.ArgErr()
-			}
-			if _, err := parseTableName(arg); err != nil {
-				return d.Errf("postgres store: %v", err)
-			}
-			s.Table = arg
-		case "max_conns":
-			if !d.AllArgs(&arg) {
-				return d.ArgErr()
-			}
-			n, err := strconv.ParseInt(arg, 10, 32)
-			if err != nil || n <= 0 {
-				return d.Errf("postgres store: max_conns must be a positive integer, not %q", arg)
-			}
-			s.MaxConns = int32(n)
-		case "migrate":
-			if !d.AllArgs(&arg) {
-				return d.ArgErr()
-			}
-			switch arg {
-			case "on":
-				s.Migrate = nil // the default, kept out of the JSON
-			case "off":
-				off := false
-				s.Migrate = &off
-			default:
-				return d.Errf("postgres store: migrate must be on or off, not %q", arg)
-			}
-		default:
-			return d.Errf("postgres store: unrecognized option %q", opt)
-		}
-	}
-	if s.DSN == "" {
-		return d.Err("postgres store: dsn is required")
-	}
 	return nil
 }
 

@@ -7,6 +7,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
 
 // A store option given outside the store's block is refused with where it
@@ -97,6 +100,68 @@ func TestCaddyfileErrors(t *testing.T) {
 			}
 			if !named {
 				t.Errorf("error does not name line %v: %v", tc.lines, err)
+			}
+		})
+	}
+}
+
+// Each rule of a config is defined once: the Caddyfile parser and
+// Validate (JSON) refuse a value in the same words, the parser adding
+// the file and line. Catches a rule copied into the parser that drifts
+// from Validate's, and a rule that only JSON keeps.
+func TestRulesSayTheSameInCaddyfileAndJSON(t *testing.T) {
+	for _, tc := range []struct {
+		line  string
+		field string
+		value any
+	}{
+		{"mismatch_status 418", "mismatch_status", 418},
+		{"on_store_error maybe", "on_store_error", "maybe"},
+		{"max_request_body 3GiB", "max_request_body", int64(3 << 30)},
+		{"max_response_body 3GiB", "max_response_body", int64(3 << 30)},
+		{"methods GET", "methods", []string{"GET"}},
+		{"methods PO(ST", "methods", []string{"PO(ST"}},
+		{"exclude_headers X:Y", "exclude_headers", []string{"X:Y"}},
+		{"key_header X:Y", "key_header", "X:Y"},
+		{"credential_header X:Y", "credential_header", "X:Y"},
+		{"lock_timeout 10ms", "lock_timeout", "10ms"},
+		{"wait 1ms", "wait", "1ms"},
+		{"key_json id", "key_json", "id"},
+		{"store_status 99", "store_status", []string{"99"}},
+	} {
+		t.Run(tc.line, func(t *testing.T) {
+			_, _, cfErr := adaptCaddyfile(fmt.Sprintf("http://127.0.0.1:8080 {\n\tidempotency {\n\t\t%s\n\t}\n\trespond 201\n}\n", tc.line))
+			if cfErr == nil || !strings.Contains(cfErr.Error(), "Caddyfile:3") {
+				t.Fatalf("Caddyfile: %v; want an error naming line 3", cfErr)
+			}
+			handler := map[string]any{"handler": "idempotency", tc.field: tc.value}
+			if tc.field == "wait" || tc.field == "lock_timeout" {
+				d, _ := time.ParseDuration(tc.value.(string))
+				handler[tc.field] = d
+			}
+			cfg, _ := json.Marshal(map[string]any{"apps": map[string]any{"http": map[string]any{"servers": map[string]any{"srv_rules": map[string]any{
+				"listen": []string{"127.0.0.1:0"},
+				"routes": []any{map[string]any{"handle": []any{handler, map[string]any{"handler": "static_response", "status_code": 201}}}},
+			}}}}})
+			var c caddy.Config
+			if err := json.Unmarshal(cfg, &c); err != nil {
+				t.Fatal(err)
+			}
+			jsErr := caddy.Validate(&c)
+			if jsErr == nil {
+				t.Fatalf("JSON %s: valid; want the Caddyfile's refusal: %v", cfg, cfErr)
+			}
+			// Validate's own words, after the module path that Caddy
+			// puts before them.
+			words := jsErr.Error()
+			const module = "http.handlers.idempotency: "
+			if i := strings.LastIndex(words, module); i >= 0 {
+				words = words[i+len(module):]
+			}
+			words = strings.TrimPrefix(words, "invalid configuration: ")
+			words = strings.TrimPrefix(words, "idempotency: ")
+			if !strings.Contains(cfErr.Error(), words) {
+				t.Errorf("the Caddyfile says %q,\nJSON says %q", cfErr, jsErr)
 			}
 		})
 	}

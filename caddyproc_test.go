@@ -232,26 +232,6 @@ func procSite(t testing.TB, p *caddyProc, port int) *site {
 	return newSiteClient(t, p.caddyServer, port)
 }
 
-// pgBackends counts the server processes connected as applicationName to
-// the database of dsn: other databases of the server are not the test's.
-func pgBackends(t testing.TB, dsn, applicationName string) int {
-	t.Helper()
-	rows := pgQuery(t, dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", applicationName)
-	var n int
-	fmt.Sscan(rows[0][0], &n)
-	return n
-}
-
-// withApplicationName returns dsn (a URL) with application_name set, so
-// that pg_stat_activity tells the test's connections apart.
-func withApplicationName(dsn, name string) string {
-	sep := "?"
-	if strings.Contains(dsn, "?") {
-		sep = "&"
-	}
-	return dsn + sep + "application_name=" + name
-}
-
 // ctxSleep sleeps for d or until ctx ends.
 func ctxSleep(ctx context.Context, d time.Duration) {
 	t := time.NewTimer(d)

@@ -8,7 +8,6 @@ package idempotency
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -21,9 +20,8 @@ import (
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 )
 
@@ -71,7 +69,7 @@ Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 		CobraFunc: func(cmd *cobra.Command) {
 			pf := cmd.PersistentFlags()
 			pf.String("dsn", "", "Postgres connection string (default $IDEMPOTENCY_DSN, then $DATABASE_URL)")
-			pf.String("table", defaultTable, "the store's table, as its table option; with --config, chooses among the config's stores (table@host:port/database where two have one name)")
+			pf.String("table", postgres.DefaultTable, "the store's table, as its table option; with --config, chooses among the config's stores (table@host:port/database where two have one name)")
 			pf.String("config", "", "the config file that Caddy runs: its postgres store gives the dsn, table and credential_secret")
 			pf.String("adapter", "", "the adapter of --config, as for caddy run (default: caddyfile for a file named Caddyfile* or *.caddyfile, else JSON)")
 			cmd.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
@@ -124,8 +122,8 @@ Caddy instances run. Needed when the store says "migrate off".`,
 			if err != nil {
 				return code, err
 			}
-			defer db.pool.Close()
-			n, err := Migrate(ctx, db.pool, db.table.String())
+			defer db.store.Close()
+			n, err := db.store.ApplyMigrations(ctx)
 			if err != nil {
 				return exitError, err
 			}
@@ -151,9 +149,8 @@ table at the moment, this one says so and does nothing.`,
 			if err != nil {
 				return code, err
 			}
-			defer db.pool.Close()
-			s := &PostgresStore{pool: db.pool, table: db.table, sql: newPostgresSQL(db.table)}
-			n, locked, err := s.prune(ctx, batch)
+			defer db.store.Close()
+			n, locked, err := db.store.PruneLocked(ctx, batch)
 			if err != nil {
 				return exitError, db.explain(fmt.Errorf("pruned %d record(s), then: %w", n, err))
 			}
@@ -186,7 +183,7 @@ record of the key whose credential hash starts with it is shown.`,
 			if err != nil {
 				return code, err
 			}
-			defer db.pool.Close()
+			defer db.store.Close()
 			if err := db.hashCredential(ctx, &target); err != nil {
 				return exitError, err
 			}
@@ -249,7 +246,7 @@ request with its key executes again instead of being replayed.`,
 			if err != nil {
 				return code, err
 			}
-			defer db.pool.Close()
+			defer db.store.Close()
 			if err := db.hashCredential(ctx, &target); err != nil {
 				return exitError, err
 			}
@@ -328,7 +325,7 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 	}
 }
 
-func (t cliTarget) notFound(table tableName) error {
+func (t cliTarget) notFound(table postgres.Table) error {
 	if t.credential != "" && t.secret == nil {
 		return fmt.Errorf("%s: no record of key %q for credential id %s (hashed under the table's stored secret: if the handlers have credential_secret, pass it as --credential-secret)", table, t.key, t.id)
 	}
@@ -348,7 +345,7 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 		secret = db.config.secret
 	}
 	if secret == nil {
-		stored, err := storedCredentialSecret(ctx, db.pool, db.table)
+		stored, err := db.store.StoredSecret(ctx)
 		if err != nil {
 			return db.explain(fmt.Errorf("reading the credential secret: %w", err))
 		}
@@ -362,26 +359,11 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 	return nil
 }
 
-// prefixEnd returns the smallest byte string greater than every string
-// that starts with p, or nil if there is none (p is all 0xff): with p, the
-// bounds of a range that the primary key's index can scan.
-func prefixEnd(p []byte) []byte {
-	end := bytes.Clone(p)
-	for i := len(end) - 1; i >= 0; i-- {
-		if end[i] < 0xff {
-			end[i]++
-			return end[:i+1]
-		}
-	}
-	return nil
-}
-
 // cliDB is an open connection to the store's table.
 type cliDB struct {
-	pool  *pgxpool.Pool
-	table tableName
+	table postgres.Table
 	// store reads and releases records as the admin API does.
-	store *PostgresStore
+	store *postgres.Store
 	// config is the store of --config, or nil.
 	config *cliConfigStore
 }
@@ -399,13 +381,13 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 			return nil, exitUsage, err
 		}
 	}
-	var table tableName
+	var table postgres.Table
 	dsn := fl.String("dsn")
 	if config != nil {
 		dsn, table = config.dsn, config.table
 	} else {
 		var err error
-		if table, err = parseTableName(fl.String("table")); err != nil {
+		if table, err = postgres.ParseTable(fl.String("table")); err != nil {
 			return nil, exitUsage, fmt.Errorf("--table: %v", err)
 		}
 	}
@@ -417,31 +399,18 @@ func cliOpen(ctx context.Context, fl caddycmd.Flags) (*cliDB, int, error) {
 	if dsn == "" {
 		return nil, exitUsage, errors.New("no database: pass --dsn, or set IDEMPOTENCY_DSN or DATABASE_URL")
 	}
-	cfg, err := pgxpool.ParseConfig(dsn)
-	if err != nil {
-		// pgx's parse errors quote the DSN, password included.
-		return nil, exitUsage, errors.New("the DSN is not a valid Postgres connection string")
+	st, err := postgres.Open(ctx, dsn, table, "caddy-idempotency-cli")
+	if errors.Is(err, postgres.ErrDSN) {
+		return nil, exitUsage, err
+	} else if err != nil {
+		return nil, exitError, err
 	}
-	cfg.MaxConns = 2
-	cfg.ConnConfig.RuntimeParams["application_name"] = "caddy-idempotency-cli"
-	if cfg.ConnConfig.ConnectTimeout == 0 {
-		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, exitError, fmt.Errorf("connecting to Postgres: %w", err)
-	}
-	return &cliDB{pool: pool, table: table, store: &PostgresStore{pool: pool, table: table}, config: config}, exitOK, nil
+	return &cliDB{table: table, store: st, config: config}, exitOK, nil
 }
 
 // explain rewords the error of a table that does not exist.
 func (db *cliDB) explain(err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == "42P01" { // undefined_table
+	if postgres.UndefinedTable(err) {
 		return fmt.Errorf("table %s does not exist: the store's table may have another name (pass it with --table, as the store's table option, or use --config); if it is a new store, create it with `caddy idempotency migrate --table %s`", db.table, db.table)
 	}
 	return err

@@ -14,6 +14,9 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 )
 
 // version names this module's release and the Caddy it is built with,
@@ -25,8 +28,8 @@ func TestCLIVersion(t *testing.T) {
 // migrate creates the table of a store with `migrate off`, which then
 // works; a second run applies nothing.
 func TestCLIMigrate(t *testing.T) {
-	dsn := testDSN(t)
-	table := freshTable(t)
+	dsn := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	wantCLI(t, runCLI(t, env, "migrate", "--table", table), exitOK, fmt.Sprintf("applied %d migration", migrationCount(t)))
 	wantCLI(t, runCLI(t, env, "migrate", "--table", table), exitOK, "applied 0 migration")
@@ -47,12 +50,12 @@ func TestCLIMigrate(t *testing.T) {
 // prune deletes expired rows in batches, keeps live ones, and stands
 // aside while another instance holds the prune lock.
 func TestCLIPrune(t *testing.T) {
-	dsn := testDSN(t)
-	table := freshTable(t)
+	dsn := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	wantCLI(t, runCLI(t, env, "migrate", "--table", table), exitOK)
 	insert := func(key, expires string) {
-		pgExec(t, dsn, `INSERT INTO `+quoteIdent(table)+` (credential_hash, key, fingerprint, method, path,
+		pgtest.Exec(t, dsn, `INSERT INTO `+pgtest.QuoteIdent(table)+` (credential_hash, key, fingerprint, method, path,
 			status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
 			VALUES ($1, $2, $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() + $3::interval, 201, '{}', '', true, 0)`,
 			bytes.Repeat([]byte{7}, 32), key, expires)
@@ -64,21 +67,21 @@ func TestCLIPrune(t *testing.T) {
 
 	// Another instance is pruning: the CLI must not wait nor delete.
 	ctx := context.Background()
-	conn := pgConnect(t, dsn)
-	tn, _ := parseTableName(table)
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", tn.pruneLockKey()); err != nil {
+	conn := pgtest.Connect(t, dsn)
+	tn, _ := postgres.ParseTable(table)
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", tn.PruneLockKey()); err != nil {
 		t.Fatal(err)
 	}
 	wantCLI(t, runCLI(t, env, "prune", "--table", table), exitOK, "another instance is pruning")
 	if n := pgCount(t, storeBackend{DSN: dsn, Table: table}); n != 6 {
 		t.Fatalf("%d rows after a prune that should have stood aside, want 6", n)
 	}
-	if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", tn.pruneLockKey()); err != nil {
+	if _, err := conn.Exec(ctx, "SELECT pg_advisory_unlock($1)", tn.PruneLockKey()); err != nil {
 		t.Fatal(err)
 	}
 
 	wantCLI(t, runCLI(t, env, "prune", "--table", table, "--batch", "2"), exitOK, "pruned 5 expired record(s)")
-	rows := pgQuery(t, dsn, "SELECT key FROM "+quoteIdent(table))
+	rows := pgtest.Query(t, dsn, "SELECT key FROM "+pgtest.QuoteIdent(table))
 	if len(rows) != 1 || rows[0][0] != "live-key-1" {
 		t.Errorf("rows after pruning: %v, want only live-key-1", rows)
 	}
@@ -89,7 +92,7 @@ func TestCLIPrune(t *testing.T) {
 // finish) is inspected and released by the credential id that the log
 // lines print, and the client's retry then executes.
 func TestCLIInspectAndRelease(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	sb := postgresBackend(t)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	up := newUpstream(t)
@@ -100,7 +103,7 @@ func TestCLIInspectAndRelease(t *testing.T) {
 	wantExecuted(t, s.Do(t, c), http.StatusCreated)
 	sb.waitCompleted(t, c.Key)
 	// Its instance died mid-request, and the lock is fresh.
-	if n := pgExec(t, dsn, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+	if n := pgtest.Exec(t, dsn, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '5 minutes',
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
@@ -163,7 +166,7 @@ func TestCLIInspectAndRelease(t *testing.T) {
 // A credential id is a prefix: when it matches several credentials,
 // inspect shows them all and release refuses to choose.
 func TestCLIAmbiguousCredentialID(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	sb := postgresBackend(t)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	wantCLI(t, runCLI(t, env, "migrate", "--table", sb.Table), exitOK)
@@ -171,14 +174,14 @@ func TestCLIAmbiguousCredentialID(t *testing.T) {
 	hashes := make([][]byte, 2)
 	for i := range hashes {
 		hashes[i] = append(append([]byte{}, prefix...), bytes.Repeat([]byte{byte(i + 1)}, 26)...)
-		pgExec(t, dsn, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+		pgtest.Exec(t, dsn, `INSERT INTO `+pgtest.QuoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
 			status, lock_token, locked_at, locked_until, created_at, expires_at)
 			VALUES ($1, 'shared-key', $1, 'POST', '/pay', 'in_progress', $2, now(), now(), now(), now() + interval '1 day')`,
 			hashes[i], bytes.Repeat([]byte{1}, 16))
 	}
 	// A third credential outside the prefix, under the same key.
 	other := bytes.Repeat([]byte{0xab}, 32)
-	pgExec(t, dsn, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+	pgtest.Exec(t, dsn, `INSERT INTO `+pgtest.QuoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
 		status, lock_token, locked_at, created_at, expires_at)
 		VALUES ($1, 'shared-key', $1, 'POST', '/pay', 'in_progress', $2, now(), now(), now() + interval '1 day')`,
 		other, bytes.Repeat([]byte{1}, 16))
@@ -204,7 +207,7 @@ func TestCLIAmbiguousCredentialID(t *testing.T) {
 }
 
 func TestCLIUsageAndErrors(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	sum := sha256.Sum256([]byte(defaultCred))
 	id := hex.EncodeToString(sum[:6])

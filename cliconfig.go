@@ -11,21 +11,19 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // cliConfigStore is a Postgres store of a config, as its handlers use it.
 type cliConfigStore struct {
 	dsn   string // placeholders resolved
-	table tableName
+	table postgres.Table
 	// secret is the handlers' credential_secret, resolved, if they all
 	// have the same one; nil if none has one.
 	secret []byte
@@ -40,15 +38,6 @@ type cliConfigStore struct {
 	// judges a lease that a record from before migration 0002 lacks, as
 	// their retries judge it.
 	lockTimeout time.Duration
-}
-
-// describeDSN names a DSN's database without its credentials.
-func describeDSN(dsn string) string {
-	cfg, err := pgconn.ParseConfig(dsn)
-	if err != nil {
-		return "an unparsable dsn"
-	}
-	return net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))) + "/" + cfg.Database
 }
 
 // cliStoreFromConfig finds the Postgres store of the config file that the
@@ -93,7 +82,7 @@ func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
 		return nil, err
 	}
 	slices.SortFunc(stores, func(a, b *cliConfigStore) int {
-		return strings.Compare(a.table.String()+" "+describeDSN(a.dsn), b.table.String()+" "+describeDSN(b.dsn))
+		return strings.Compare(a.table.String()+" "+postgres.DescribeDSN(a.dsn), b.table.String()+" "+postgres.DescribeDSN(b.dsn))
 	})
 
 	all := stores
@@ -101,12 +90,12 @@ func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
 		// table@host:port/db tells apart tables of one name in two
 		// databases, as the admin API names their stores.
 		name, where, at := strings.Cut(fl.String("table"), "@")
-		want, err := parseTableName(name)
+		want, err := postgres.ParseTable(name)
 		if err != nil {
 			return nil, fmt.Errorf("--table: %v", err)
 		}
 		stores = slices.DeleteFunc(slices.Clone(stores), func(s *cliConfigStore) bool {
-			return s.table != want || at && describeDSN(s.dsn) != where
+			return s.table != want || at && postgres.DescribeDSN(s.dsn) != where
 		})
 	}
 	if len(stores) == 1 {
@@ -114,7 +103,7 @@ func cliStoreFromConfig(fl caddycmd.Flags) (*cliConfigStore, error) {
 	}
 	names := make([]string, len(all))
 	for i, s := range all {
-		names[i] = fmt.Sprintf("table %s in %s", s.table, describeDSN(s.dsn))
+		names[i] = fmt.Sprintf("table %s in %s", s.table, postgres.DescribeDSN(s.dsn))
 	}
 	choose := "choose one with --table"
 	for i := 1; i < len(stores); i++ {
@@ -148,9 +137,9 @@ func addConfigStore(stores *[]*cliConfigStore, h map[string]any, repl *caddy.Rep
 	}
 	rawTable, _ := store["table"].(string)
 	if rawTable == "" {
-		rawTable = defaultTable
+		rawTable = postgres.DefaultTable
 	}
-	table, err := parseTableName(rawTable)
+	table, err := postgres.ParseTable(rawTable)
 	if err != nil {
 		return fmt.Errorf("--config: %v", err)
 	}

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -17,9 +19,9 @@ import (
 // the handlers' credential_secret from the Caddyfile that Caddy runs,
 // and asks which store is meant when the config has several.
 func TestCLIConfig(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	sb := postgresBackend(t)
-	other := freshTable(t)
+	other := pgtest.FreshTable(t)
 	const secret = "a-credential-secret-of-32-bytes-or-more"
 	up := newUpstream(t)
 	s := protectedSite(t, sb, up.Addr(), "credential_secret "+secret)
@@ -84,7 +86,7 @@ func TestCLIConfig(t *testing.T) {
 	sameEnv := append(env, "TEST_OTHER_DSN="+otherDB)
 	wantCLI(t, runCLIInput(t, defaultCred+"\n", sameEnv, append([]string{"inspect", "--config", same, "--table", sb.Table}, target...)...),
 		exitUsage, "2 postgres stores", "--table <table>@<host:port/database>")
-	wantCLI(t, runCLIInput(t, defaultCred+"\n", sameEnv, append([]string{"inspect", "--config", same, "--table", sb.Table + "@" + describeDSN(dsn)}, target...)...),
+	wantCLI(t, runCLIInput(t, defaultCred+"\n", sameEnv, append([]string{"inspect", "--config", same, "--table", sb.Table + "@" + postgres.DescribeDSN(dsn)}, target...)...),
 		exitOK, "status:           completed")
 
 	// Without the environment variable, the DSN is empty: said, not tried.
@@ -100,7 +102,7 @@ func TestCLIConfig(t *testing.T) {
 // placeholder too; and a table missing under the default name may have
 // another.
 func TestCLIConfigSecretChecked(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	sb := postgresBackend(t)
 	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "migrate", "--table", sb.Table), exitOK)
 	config := filepath.Join(t.TempDir(), "Caddyfile")
@@ -142,7 +144,7 @@ func TestCLIConfigSecretChecked(t *testing.T) {
 		t.Errorf("load error %v, want one naming the placeholder", err)
 	}
 
-	missing := freshTable(t)
+	missing := pgtest.FreshTable(t)
 	wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + dsn}, "prune", "--table", missing), exitError,
 		missing+" does not exist", "another name", "--table")
 }

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 )
 
 func TestConcurrentSameKeyExecutesOnce(t *testing.T) {
@@ -124,7 +126,7 @@ func TestStaleLockIsTakenOverByOneRetrier(t *testing.T) {
 	dead := s.Do(t, c) // a real record, with the real fingerprint
 	wantExecuted(t, dead, http.StatusCreated)
 	sb.waitCompleted(t, c.Key)
-	n := pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+	n := pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
@@ -173,7 +175,7 @@ func TestStaleLockIsTakenOverByOneRetrier(t *testing.T) {
 	}
 	wantCount(t, up, 2)
 	wantReplayOf(t, s.Do(t, c), owner)
-	rows := pgQuery(t, sb.DSN, `SELECT status, lock_token IS NULL FROM `+quoteIdent(sb.Table))
+	rows := pgtest.Query(t, sb.DSN, `SELECT status, lock_token IS NULL FROM `+pgtest.QuoteIdent(sb.Table))
 	if len(rows) != 1 || rows[0][0] != "completed" || rows[0][1] != "true" {
 		t.Errorf("after the takeover the row is %v, want one completed row without a lock", rows)
 	}

@@ -10,9 +10,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
-	"errors"
 	"fmt"
 	"hash"
 	"net/http"
@@ -22,93 +20,13 @@ import (
 
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
-	"github.com/jackc/pgx/v5"
 )
-
-// minCredentialSecret is the shortest credential_secret accepted, in
-// bytes: the key size of HMAC-SHA-256, out of reach of a guess.
-const minCredentialSecret = 32
-
-// secretTableSuffix names the table that keeps a Postgres table's default
-// secret (migrations/0003).
-const secretTableSuffix = "_secret"
-
-// secretTable is the quoted name of t's secret table, in t's schema.
-func (t tableName) secretTable() string {
-	return t.sibling(derivedName(t.name, secretTableSuffix))
-}
-
-// memorySecret is the memory store's secret: its records live in this
-// process only, so a random secret of the process is shared by all of
-// them, across config reloads.
-var memorySecret = sync.OnceValue(func() []byte {
-	secret := make([]byte, minCredentialSecret)
-	_, _ = rand.Read(secret) // crypto/rand.Read never returns an error
-	return secret
-})
-
-// UseCredentialSecret implements SecretKeeper: the secret is the
-// process's, at hand.
-func (m *MemoryStore) UseCredentialSecret() {}
-
-// CredentialSecret implements SecretKeeper.
-func (m *MemoryStore) CredentialSecret(context.Context) ([]byte, error) {
-	return memorySecret(), nil
-}
-
-// UseCredentialSecret implements SecretKeeper: the store reads the
-// table's secret as it starts (startup.go).
-func (s *PostgresStore) UseCredentialSecret() { s.tableSecret = true }
-
-// CredentialSecret implements SecretKeeper: the table's secret, as the
-// store read it when it started.
-func (s *PostgresStore) CredentialSecret(ctx context.Context) ([]byte, error) {
-	if err := s.ready(ctx); err != nil {
-		return nil, err
-	}
-	if s.start.secret == nil {
-		// Hashing under no secret would be an unkeyed hash: fail closed.
-		return nil, errors.New("postgres store: the credential secret was not read at start: no handler asked for it")
-	}
-	return s.start.secret, nil
-}
-
-// readCredentialSecret reads the table's secret, creating it if no
-// instance has yet. ON CONFLICT DO NOTHING makes instances that start
-// together agree on the first one's.
-func (s *PostgresStore) readCredentialSecret(ctx context.Context) ([]byte, error) {
-	fresh := make([]byte, minCredentialSecret)
-	_, _ = rand.Read(fresh)
-	if _, err := s.pool.Exec(ctx, `INSERT INTO `+s.table.secretTable()+` (secret) VALUES ($1) ON CONFLICT DO NOTHING`, fresh); err != nil {
-		return nil, fmt.Errorf("postgres store: credential secret: %w", err)
-	}
-	secret, err := storedCredentialSecret(ctx, s.pool, s.table)
-	if err == nil && secret == nil {
-		err = errors.New("the secret table is empty")
-	}
-	if err != nil {
-		return nil, fmt.Errorf("postgres store: credential secret: %w", err)
-	}
-	return secret, nil
-}
-
-// storedCredentialSecret reads t's secret; nil if there is none yet.
-func storedCredentialSecret(ctx context.Context, db interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, t tableName) ([]byte, error) {
-	var secret []byte
-	err := db.QueryRow(ctx, `SELECT secret FROM `+t.secretTable()+` WHERE id`).Scan(&secret)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, nil
-	}
-	return secret, err
-}
 
 // checkCredentialSecret refuses a secret that a guess could reach.
 func checkCredentialSecret(secret string) error {
-	if len(secret) < minCredentialSecret {
+	if len(secret) < store.MinSecretLen {
 		return fmt.Errorf("credential_secret is %d bytes, fewer than %d: a short secret can be guessed, and with it the credentials behind the stored hashes; use for example the output of `openssl rand -base64 32`",
-			len(secret), minCredentialSecret)
+			len(secret), store.MinSecretLen)
 	}
 	return nil
 }
@@ -232,7 +150,7 @@ func (k *credentialKey) get(ctx context.Context) (*credentialHasher, error) {
 	if c := k.hasher.Load(); c != nil {
 		return c, nil
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), store.CallTimeout)
 	defer cancel()
 	secret, err := k.load(ctx)
 	if err != nil {

@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/http"
 	"os"
 	"strconv"
@@ -18,6 +19,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/migrations"
+	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/stores/memory"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -33,13 +39,14 @@ func handlerCredentialHash(t testing.TB, sb storeBackend, cred string) [32]byte 
 func storeSecret(t testing.TB, sb storeBackend) []byte {
 	t.Helper()
 	if sb.Name == "memory" {
-		return memorySecret()
+		secret, _ := (&memory.Store{}).CredentialSecret(context.Background())
+		return secret
 	}
-	tn, err := parseTableName(sb.Table)
+	tn, err := postgres.ParseTable(sb.Table)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rows := pgQuery(t, sb.DSN, "SELECT encode(secret, 'hex') FROM "+tn.secretTable())
+	rows := pgtest.Query(t, sb.DSN, "SELECT encode(secret, 'hex') FROM "+tn.SecretTable())
 	if len(rows) != 1 {
 		t.Fatalf("%d rows in the secret table of %s, want 1", len(rows), sb.Table)
 	}
@@ -50,14 +57,14 @@ func storeSecret(t testing.TB, sb storeBackend) []byte {
 	return secret
 }
 
-// migrationCount is how many migrations a new table gets.
+// migrationCount is the number of the Postgres store's migrations.
 func migrationCount(t testing.TB) int {
 	t.Helper()
-	migrations, err := loadMigrations()
+	files, err := fs.Glob(migrations.Files, "*.sql")
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(migrations)
+	return len(files)
 }
 
 // loadErr loads a config that must fail, and returns its error.
@@ -165,7 +172,7 @@ func TestCredentialHashIsKeyed(t *testing.T) {
 		if sb.Name != "postgres" {
 			return
 		}
-		rows := pgQuery(t, sb.DSN, "SELECT encode(credential_hash, 'hex') FROM "+quoteIdent(sb.Table))
+		rows := pgtest.Query(t, sb.DSN, "SELECT encode(credential_hash, 'hex') FROM "+pgtest.QuoteIdent(sb.Table))
 		if len(rows) != 1 {
 			t.Fatalf("%d rows, want 1", len(rows))
 		}
@@ -214,12 +221,13 @@ func TestCredentialSecretSharedByInstances(t *testing.T) {
 	wantCount(t, up, 1)
 
 	// Stores that start at once, on a table that has no secret yet.
-	table := freshTable(t)
-	stores := make([]*PostgresStore, 8)
+	table := pgtest.FreshTable(t)
+	stores := make([]*postgres.Store, 8)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	defer cancel()
 	for i := range stores {
-		stores[i] = &PostgresStore{DSN: sb.DSN, Table: table, MaxConns: 4, tableSecret: true}
+		stores[i] = &postgres.Store{DSN: sb.DSN, Table: table, MaxConns: 4}
+		stores[i].UseCredentialSecret()
 		if err := stores[i].Provision(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -237,7 +245,7 @@ func TestCredentialSecretSharedByInstances(t *testing.T) {
 	}
 	wg.Wait()
 	for i := range secrets {
-		if len(secrets[i]) != minCredentialSecret || !bytes.Equal(secrets[i], secrets[0]) {
+		if len(secrets[i]) != store.MinSecretLen || !bytes.Equal(secrets[i], secrets[0]) {
 			t.Fatalf("concurrent starts disagree on the secret: %x", secrets)
 		}
 	}
@@ -260,7 +268,7 @@ func TestMemoryCredentialSecretSurvivesReload(t *testing.T) {
 // under it, and a record keyed under the old secret is out of reach.
 func TestCredentialSecretConfigured(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
-		secret := "configured-" + randomHex(16)
+		secret := "configured-" + pgtest.RandomHex(16)
 		t.Setenv("IDEMPOTENCY_TEST_CRED_SECRET", secret)
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr())
@@ -287,7 +295,7 @@ func TestCredentialSecretConfigured(t *testing.T) {
 			t.Errorf("replay logs credential_id %q, want %x (under credential_secret; the store's gives %x)", id, keyed[:6], stored[:6])
 		}
 		if sb.Name == "postgres" {
-			rows := pgQuery(t, sb.DSN, "SELECT encode(credential_hash, 'hex') FROM "+quoteIdent(sb.Table)+" ORDER BY created_at")
+			rows := pgtest.Query(t, sb.DSN, "SELECT encode(credential_hash, 'hex') FROM "+pgtest.QuoteIdent(sb.Table)+" ORDER BY created_at")
 			if len(rows) != 2 || rows[1][0] != hex.EncodeToString(keyed[:]) || rows[0][0] != hex.EncodeToString(stored[:]) {
 				t.Errorf("credential hashes %v, want [%x %x]", rows, stored, keyed)
 			}
@@ -295,7 +303,7 @@ func TestCredentialSecretConfigured(t *testing.T) {
 	})
 	// Never in the config: the placeholder is resolved at provision,
 	// and the config keeps it.
-	secret := "configured-" + randomHex(16)
+	secret := "configured-" + pgtest.RandomHex(16)
 	t.Setenv("IDEMPOTENCY_TEST_CRED_SECRET", secret)
 	h := &Handler{CredentialSecret: "{env.IDEMPOTENCY_TEST_CRED_SECRET}"}
 	if err := provisionHandler(t, h); err != nil {
@@ -389,9 +397,9 @@ func TestCredentialKeyHeaderRefused(t *testing.T) {
 // stored secret, or under --credential-secret when the handlers have
 // credential_secret.
 func TestCLICredentialSecret(t *testing.T) {
-	dsn := testDSN(t)
+	dsn := pgtest.DSN(t)
 	sb := postgresBackend(t)
-	secret := "configured-" + randomHex(16)
+	secret := "configured-" + pgtest.RandomHex(16)
 	t.Setenv("IDEMPOTENCY_TEST_CLI_SECRET", secret)
 	env := []string{"IDEMPOTENCY_DSN=" + dsn}
 	up := newUpstream(t)
@@ -417,7 +425,7 @@ func TestCLICredentialSecret(t *testing.T) {
 		"--credential-id", hex.EncodeToString(keyedConfigured[:6]), "--credential-secret", secret), exitUsage, "goes with --credential")
 	// A table no handler without credential_secret has used has no
 	// secret: the CLI says what to do rather than hash under nothing.
-	fresh := freshTable(t)
+	fresh := pgtest.FreshTable(t)
 	wantCLI(t, runCLI(t, env, "migrate", "--table", fresh), exitOK)
 	wantCLI(t, runCLI(t, env, "inspect", "--table", fresh, "--key", configured.Key, "--credential", basicAlice), exitError,
 		"no stored credential secret", "--credential-secret")
@@ -533,7 +541,7 @@ func TestProblemsNameKeyHeader(t *testing.T) {
 // Hashing a credential is HMAC-SHA-256, from a reused state too, and
 // costs a request no allocation: the states are pooled.
 func TestCredentialHashDoesNotAllocate(t *testing.T) {
-	secret := bytes.Repeat([]byte{1}, minCredentialSecret)
+	secret := bytes.Repeat([]byte{1}, store.MinSecretLen)
 	c := newCredentialHasher(secret)
 	cred := "Bearer " + strings.Repeat("t", 100)
 	mac := hmac.New(sha256.New, secret)
@@ -560,13 +568,13 @@ func TestCredentialHashDoesNotAllocate(t *testing.T) {
 func (s *benchMemoryStore) UseCredentialSecret() {}
 
 func (s *benchMemoryStore) CredentialSecret(ctx context.Context) ([]byte, error) {
-	return s.Store.(*MemoryStore).CredentialSecret(ctx)
+	return s.Store.(*memory.Store).CredentialSecret(ctx)
 }
 
 func (s *cacheTestStore) UseCredentialSecret() {}
 
 func (s *cacheTestStore) CredentialSecret(ctx context.Context) ([]byte, error) {
-	return s.Store.(*MemoryStore).CredentialSecret(ctx)
+	return s.Store.(*memory.Store).CredentialSecret(ctx)
 }
 
 // No raw token ever reaches the database or a log line.
@@ -574,7 +582,7 @@ func TestCredentialIsNeverStoredOrLogged(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr())
-		secret := "sk_live_" + randomHex(12)
+		secret := "sk_live_" + pgtest.RandomHex(12)
 		cred := "Bearer " + secret
 		c := call{Key: newKey(), Body: payBody(), Cred: cred, Header: sleepFor(300 * time.Millisecond)}
 		ch := runBackground(t, s, c)
@@ -602,7 +610,7 @@ func TestCredentialIsNeverStoredOrLogged(t *testing.T) {
 		if sb.Name != "postgres" {
 			return
 		}
-		rows := pgQuery(t, sb.DSN, "SELECT t::text FROM "+quoteIdent(sb.Table)+" t")
+		rows := pgtest.Query(t, sb.DSN, "SELECT t::text FROM "+pgtest.QuoteIdent(sb.Table)+" t")
 		if len(rows) != 1 {
 			t.Fatalf("table has %d rows, want 1", len(rows))
 		}

@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap/zapcore"
 )
 
-// Step 6 of the contract: what a request gets for a record of its key
+// Step 6 (docs/how-it-works.md): what a request gets for a record of its key
 // that it does not own (a replay, a conflict, a refusal), decided once for
 // enforcement and shadow mode alike, and the replay of a stored response.
 

@@ -8,14 +8,13 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
 
-// Steps 7 to 9 of the contract: executing a request that owns its
+// Steps 7 to 9 (docs/how-it-works.md): executing a request that owns its
 // record, then storing its response, or giving the key back when nothing
 // can have run.
 
@@ -249,99 +248,4 @@ func nothingExecuted(err error, proxied bool) bool {
 	// trace sees (FastCGI) may have sent the request. 499 is
 	// reverse_proxy's "canceled" after the request may have been sent.
 	return !proxied && he.StatusCode >= 400 && he.StatusCode < 500 && he.StatusCode != 499
-}
-
-// storeCall gives a store call its context, bounded by timeout. An
-// InProcess store only takes a mutex: a bound would cost it a timer per
-// call (a third of the memory store's Complete) and could never fire.
-func (h *Handler) storeCall(parent context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
-	if h.inProcess {
-		return parent, func() {}
-	}
-	return context.WithTimeout(parent, timeout)
-}
-
-// attemptTimeout bounds one attempt to complete a record: the store
-// timeout, or half a renewal interval if that is shorter (complete).
-func (h *Handler) attemptTimeout() time.Duration { return min(storeTimeout, h.renewInterval()/2) }
-
-// renew dates the lock anew, in one bounded round trip.
-func (h *Handler) renew(rk store.RecordKey, token store.LockToken) error {
-	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
-	defer cancel()
-	return h.store.Renew(ctx, rk, token)
-}
-
-// complete stores the response, then lets the lease go. The client
-// already has it; a failure here leaves the record in progress until its
-// lock expires, and then a retry would run again. So it is retried for
-// as long as the store fails, for at most execution_timeout plus
-// lock_timeout (what the pool and a graceful stop wait for), while ls
-// goes on renewing the lock: a store that lost its connections (a
-// restart, a failover) fails the first statements on each of the pool's
-// dead connections before a fresh one is dialled, and a fixed few
-// attempts can all meet one. Time during which the store cannot be
-// reached does not count against the lease (leaseEndSQL), so an owner
-// that waits out an outage longer than lock_timeout still stores its
-// response before a retry can take over, and a lock that was taken over
-// meanwhile fails the completion (ErrLockLost), which ends the wait. An
-// attempt is given half a renewal interval, not the whole store timeout:
-// a reply that never comes (a host gone silent) would otherwise use up
-// the lease of a short lock_timeout before a second attempt, on a live
-// connection, could be sent. A response that the store can never take
-// (ErrUnstorable) is not retried: the record is completed as not
-// replayable instead, so that a retry is refused, not executed. It
-// reports whether the record holds the response (or that refusal).
-func (h *Handler) complete(q *request, resp *store.Response, ls *lease) (stored bool) {
-	ls.completing()
-	defer ls.stop()
-	var err error
-	degraded, held := false, false
-	deadline := time.Now().Add(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
-	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		ctx, cancel := h.storeCall(context.Background(), h.attemptTimeout())
-		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
-		cancel()
-		if errors.Is(err, store.ErrUnstorable) && !degraded {
-			h.logger.Error("idempotency.unstorable_response", q.fields(zap.Int("status", resp.Status), zap.Error(err))...)
-			resp, degraded = &store.Response{Status: resp.Status, BodySize: resp.BodySize}, true
-			continue
-		}
-		if err == nil || errors.Is(err, store.ErrLockLost) || errors.Is(err, store.ErrUnstorable) || time.Now().Add(backoff).After(deadline) {
-			break
-		}
-		if !held {
-			held = true
-			h.storeLog.holding()
-		}
-		time.Sleep(backoff)
-	}
-	switch {
-	case errors.Is(err, store.ErrLockLost):
-		h.metrics.lockLost.complete.Inc()
-		h.logger.Error("idempotency.lock_lost", q.fields(zap.String("during", "complete"))...)
-	case err != nil:
-		h.storeError(q, "complete", err)
-	}
-	return err == nil
-}
-
-// release deletes the record of a request that never executed. It
-// reports false if the store failed: the record is then still in
-// progress, until its lock goes stale.
-func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
-	ctx, cancel := h.storeCall(context.Background(), storeTimeout)
-	defer cancel()
-	switch err := h.store.Release(ctx, q.rk, q.token); {
-	case errors.Is(err, store.ErrLockLost):
-		// Nothing was released: the record is another request's now.
-		h.metrics.lockLost.release.Inc()
-		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "release"))...)
-		return true
-	case err != nil:
-		h.storeError(q, "release", err)
-		return false
-	}
-	h.logger.Info("idempotency.release", q.fields(append([]zap.Field{zap.NamedError("cause", cause)}, extra...)...)...)
-	return true
 }

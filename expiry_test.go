@@ -9,7 +9,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/memory"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"go.uber.org/zap"
 )
 
@@ -23,12 +27,12 @@ import (
 func TestStoreNeverAnswersAnExpiredRecord(t *testing.T) {
 	t.Run("memory", func(t *testing.T) {
 		t.Parallel()
-		s := &MemoryStore{records: newMemoryRecords(1000, time.Now)}
+		s := memory.New(1000, time.Now)
 		testNeverAnswersExpired(t, []store.Store{s, s})
 	})
 	t.Run("postgres", func(t *testing.T) {
 		t.Parallel()
-		table := freshTable(t)
+		table := pgtest.FreshTable(t)
 		a, b := newTestPostgresStore(t, table, 6), newTestPostgresStore(t, table, 7)
 		testNeverAnswersExpired(t, []store.Store{a, b})
 	})
@@ -43,7 +47,7 @@ func testNeverAnswersExpired(t *testing.T, stores []store.Store) {
 	reqs := make([]store.AcquireRequest, keys)
 	expiries := make([]time.Time, keys)
 	for i := range reqs {
-		req := testAcquireRequest("cred", fmt.Sprintf("expiry-key-%03d", i), "body")
+		req := storetest.Request("cred", fmt.Sprintf("expiry-key-%03d", i), "body")
 		// The lease outlasts any stall of a loaded machine between a
 		// re-execution's acquire and its completion: a takeover of a
 		// lease that ran out would be a second execution this test
@@ -81,7 +85,7 @@ func testNeverAnswersExpired(t *testing.T, stores []store.Store) {
 					// them has executed the key again.
 					end, giveUp := expiry.Add(300*time.Millisecond), expiry.Add(15*time.Second)
 					for time.Now().Before(end) || reexecuted.Load() == nil && time.Now().Before(giveUp) {
-						retry := retryRequest(req)
+						retry := storetest.Retry(req)
 						sent := time.Now()
 						res, err := s.Acquire(ctx, retry)
 						if err != nil {
@@ -181,23 +185,23 @@ func TestShadowNeverReplaysAnExpiredRecord(t *testing.T) {
 // the cache executes again instead of getting the expired answer.
 func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 	t.Parallel()
-	dsn := testDSN(t)
-	f := newTCPForwarder(t, postgresAddr(t, dsn))
-	table := freshTable(t)
+	dsn := pgtest.DSN(t)
+	f := pgtest.NewForwarder(t, pgtest.Addr(t, dsn))
+	table := pgtest.FreshTable(t)
 	// One connection, on which a first completion prepares the
 	// statement: a muted connection cannot prepare, only execute.
-	s := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, dsn, f), Table: table, MaxConns: 1})
+	s := provisionTestStore(t, &postgres.Store{DSN: pgtest.ThroughForwarder(t, dsn, f), Table: table, MaxConns: 1})
 	c := newReplayCache(s, 1<<20)
-	prime := testAcquireRequest("cred", "prepares-the-statement", "body")
-	mustAcquire(t, c, prime, store.OutcomeCreated)
+	prime := storetest.Request("cred", "prepares-the-statement", "body")
+	storetest.MustAcquire(t, c, prime, store.OutcomeCreated)
 	if err := c.Complete(context.Background(), prime.Key, prime.Token, &store.Response{Status: 201, Replayable: true}, prime.Retention); err != nil {
 		t.Fatal(err)
 	}
-	req := testAcquireRequest("cred", "lost-completion-reply", "body")
+	req := storetest.Request("cred", "lost-completion-reply", "body")
 	req.LockTimeout, req.Retention = 2*time.Second, 3*time.Second
-	mustAcquire(t, c, req, store.OutcomeCreated)
+	storetest.MustAcquire(t, c, req, store.OutcomeCreated)
 
-	ctx, db, done := pgOpen(t, dsn)
+	ctx, db, done := pgtest.Open(t, dsn)
 	defer done()
 	query := func(sql string) (v bool) {
 		t.Helper()
@@ -226,7 +230,7 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 		t.Fatalf("second completion: %v", err)
 	}
 
-	waitFor(t, 2*req.Retention, "the record to expire", func() bool {
+	storetest.WaitFor(t, 2*req.Retention, "the record to expire", func() bool {
 		return query("SELECT expires_at <= now() FROM " + table + " WHERE key = $1")
 	})
 	// The database dates the record by its wall clock, the cache by this
@@ -235,7 +239,7 @@ func TestReplayCacheEndsWithItsRecordAfterALostCompletionReply(t *testing.T) {
 	// the first. A step of 7 ms failed this test once; the cache must end
 	// with the record, within such steps.
 	time.Sleep(100 * time.Millisecond)
-	res, err := c.Acquire(context.Background(), retryRequest(req))
+	res, err := c.Acquire(context.Background(), storetest.Retry(req))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,10 +299,10 @@ func TestPruneDeletesExpiredRows(t *testing.T) {
 	sb.waitCompleted(t, late.Key)
 	// The live row lives on however slow the machine is, until the
 	// pruner has taken the others.
-	if n := pgExec(t, sb.DSN, "UPDATE "+quoteIdent(sb.Table)+" SET expires_at = now() + interval '1 hour' WHERE key = $1", late.Key); n != 1 {
+	if n := pgtest.Exec(t, sb.DSN, "UPDATE "+pgtest.QuoteIdent(sb.Table)+" SET expires_at = now() + interval '1 hour' WHERE key = $1", late.Key); n != 1 {
 		t.Fatalf("%d rows of the live key, want 1", n)
 	}
-	waitFor(t, 10*time.Second, "expired rows to be pruned", func() bool { return pgCount(t, sb) <= 1 })
+	storetest.WaitFor(t, 10*time.Second, "expired rows to be pruned", func() bool { return pgCount(t, sb) <= 1 })
 	if n := pgCount(t, sb); n != 1 {
 		t.Fatalf("%d rows after pruning, want the 1 live row", n)
 	}

@@ -30,7 +30,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -75,7 +77,7 @@ type failoverKey struct {
 
 // failoverRun is what a run did and saw.
 type failoverRun struct {
-	pair                                *pgPair
+	pair                                *pgtest.Pair
 	up                                  *upstream
 	procs                               [2]*caddyProc
 	sites, waitSites                    [2]*site
@@ -116,7 +118,7 @@ func startFailover(t *testing.T, synchronous bool, lock, gap time.Duration) *fai
 			t.Fatalf("IDEMPOTENCY_FAILOVER_LAG=%q: %v", s, err)
 		}
 	}
-	r := &failoverRun{pair: startPGPair(t, synchronous, lag), up: newUpstream(t), lag: lag, lock: lock, gap: gap}
+	r := &failoverRun{pair: pgtest.StartPair(t, synchronous, lag), up: newUpstream(t), lag: lag, lock: lock, gap: gap}
 	for i := range r.procs {
 		port, waitPort := freeTCPPort(t), freeTCPPort(t)
 		r.procs[i] = startCaddyProc(t, fmt.Sprintf("instance-%c", 'a'+i), fmt.Sprintf(`http://127.0.0.1:%[1]d {
@@ -166,7 +168,7 @@ func (r *failoverRun) load(t *testing.T, clients int, slow []*failoverKey) {
 		stop        atomic.Bool
 		mu          sync.Mutex
 		wg          sync.WaitGroup
-		seq         = randomHex(3)
+		seq         = pgtest.RandomHex(3)
 		ctx, cancel = context.WithTimeout(context.Background(), 80*time.Second)
 	)
 	defer cancel()
@@ -293,7 +295,7 @@ func TestFailoverLongerThanLease(t *testing.T) {
 	var slow []*failoverKey
 	for i := range 8 {
 		slow = append(slow, &failoverKey{
-			key:    fmt.Sprintf("failover-slow-%s-%02d", randomHex(3), i),
+			key:    fmt.Sprintf("failover-slow-%s-%02d", pgtest.RandomHex(3), i),
 			body:   payBody(),
 			header: map[string]string{"X-Test-Sleep": "2s"},
 		})
@@ -333,7 +335,7 @@ func (r *failoverRun) checkWaitAfterFailover(t *testing.T) {
 		}
 		first <- rep
 	}()
-	waitFor(t, 15*time.Second, "the first request to reach the upstream", func() bool {
+	storetest.WaitFor(t, 15*time.Second, "the first request to reach the upstream", func() bool {
 		for _, e := range r.up.Executions() {
 			if e.Key == c.Key {
 				return true
@@ -568,7 +570,7 @@ func (r *failoverRun) report(t *testing.T, synchronous bool) {
 func pgTableStatuses(t testing.TB, dsn string) map[string]string {
 	t.Helper()
 	table := make(map[string]string)
-	for _, row := range pgQuery(t, dsn, "SELECT key, status FROM idempotency_keys") {
+	for _, row := range pgtest.Query(t, dsn, "SELECT key, status FROM idempotency_keys") {
 		table[row[0]] = row[1]
 	}
 	return table

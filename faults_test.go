@@ -12,7 +12,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"net/url"
 	"os"
 	"sort"
 	"strings"
@@ -21,31 +20,11 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 )
-
-// throughForwarder returns dsn with its host replaced by the forwarder's.
-func throughForwarder(t *testing.T, dsn string, f *tcpForwarder) string {
-	t.Helper()
-	u, err := url.Parse(dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.Host = f.Addr()
-	q := u.Query()
-	q.Set("connect_timeout", "2")
-	u.RawQuery = q.Encode()
-	return u.String()
-}
-
-// postgresAddr is the host:port of a DSN URL.
-func postgresAddr(t *testing.T, dsn string) string {
-	t.Helper()
-	u, err := url.Parse(dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return u.Host
-}
 
 // outcome sends c until it gets an answer that is not transient (409 in
 // progress, 503 store unavailable, a transport error), as a client that
@@ -71,9 +50,9 @@ func outcome(ctx context.Context, s *site, c call) (reply, int, error) {
 // once the database is reachable again, without restarting Caddy.
 func TestFaultPostgresUnreachable(t *testing.T) {
 	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	up := newUpstream(t)
-	s := protectedSite(t, storeBackend{Name: "postgres", DSN: throughForwarder(t, sb.DSN, fwd), Table: sb.Table},
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: pgtest.ThroughForwarder(t, sb.DSN, fwd), Table: sb.Table},
 		up.Addr(), "retry_after 1s", "lock_timeout 2s")
 
 	type sent struct {
@@ -108,7 +87,7 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 			}
 		}()
 	}
-	waitFor(t, 10*time.Second, "traffic to flow", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "traffic to flow", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(log) >= 20
@@ -118,7 +97,7 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond)
 	// The outage lasts until a request sent into it has been answered: on
 	// a loaded machine none may have been within the first 1.5 s.
-	waitFor(t, 20*time.Second, "a request sent into the outage to be answered", func() bool {
+	storetest.WaitFor(t, 20*time.Second, "a request sent into the outage to be answered", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, l := range log {
@@ -132,7 +111,7 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 	restoredAt := time.Now()
 	// Traffic runs on until service is back and 20 more requests have
 	// been answered, however slow the machine.
-	waitFor(t, 15*time.Second, "service to come back and traffic to flow", func() bool {
+	storetest.WaitFor(t, 15*time.Second, "service to come back and traffic to flow", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		n := 0
@@ -225,9 +204,9 @@ func TestFaultPostgresUnreachable(t *testing.T) {
 // word.
 func TestFaultPostgresOutageLogs(t *testing.T) {
 	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	up := newUpstream(t)
-	s := protectedSite(t, storeBackend{Name: "postgres", DSN: throughForwarder(t, sb.DSN, fwd), Table: sb.Table},
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: pgtest.ThroughForwarder(t, sb.DSN, fwd), Table: sb.Table},
 		up.Addr(), "retry_after 1s", "lock_timeout 3s", "prune_interval 0")
 	wantExecuted(t, s.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusCreated)
 
@@ -273,7 +252,7 @@ func TestFaultPostgresOutageLogs(t *testing.T) {
 	for _, ch := range held {
 		wantExecuted(t, <-ch, http.StatusCreated)
 	}
-	waitFor(t, 10*time.Second, "service to come back", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "service to come back", func() bool {
 		r, err := s.DoCtx(context.Background(), call{Key: newKey(), Body: payBody()})
 		return err == nil && r.Status == http.StatusCreated
 	})
@@ -301,7 +280,7 @@ func TestFaultPostgresOutageLogs(t *testing.T) {
 				t.Errorf("two %s store_error lines %.3fs apart", op, ts-prev)
 			}
 			last[op] = ts
-			if op == opAcquire {
+			if op == store.OpAcquire {
 				n, _ := l["suppressed"].(float64)
 				events += 1 + int64(n)
 			}
@@ -321,7 +300,7 @@ func TestFaultPostgresOutageLogs(t *testing.T) {
 		t.Errorf("the store answered again after %vs, for an outage of %v", r["down_seconds"], down)
 	}
 	left, _ := r["suppressed_store_errors"].(map[string]any)
-	n, _ := left[opAcquire].(float64)
+	n, _ := left[store.OpAcquire].(float64)
 	events += int64(n)
 	if events != refused.Load() {
 		t.Errorf("the acquire lines account for %d failures, and the lines they left out with them; %d requests were refused",
@@ -366,7 +345,7 @@ func TestFaultPostgresSilent(t *testing.T) {
 
 func testPostgresSilent(t *testing.T, work time.Duration) {
 	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	const silence = time.Second
 	var executions atomic.Int32
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -394,7 +373,7 @@ func testPostgresSilent(t *testing.T, work time.Duration) {
 }
 `, port, storeBackend{Name: "postgres", DSN: dsn, Table: sb.Table}.Block(), strings.TrimPrefix(up.URL, "http://"))
 	}
-	srv := startCaddyfile(t, site(portA, throughForwarder(t, sb.DSN, fwd))+site(portB, sb.DSN))
+	srv := startCaddyfile(t, site(portA, pgtest.ThroughForwarder(t, sb.DSN, fwd))+site(portB, sb.DSN))
 	a, b := newSiteClient(t, srv, portA), newSiteClient(t, srv, portB)
 
 	c := call{Key: newKey(), Body: payBody()}
@@ -408,7 +387,7 @@ func testPostgresSilent(t *testing.T, work time.Duration) {
 		r, err := a.DoCtx(context.Background(), c)
 		first <- answer{r, err, time.Now()}
 	}()
-	waitFor(t, 15*time.Second, "the first execution", func() bool { return executions.Load() > 0 })
+	storetest.WaitFor(t, 15*time.Second, "the first execution", func() bool { return executions.Load() > 0 })
 	executed := time.Now()
 
 	// Another instance retries the key, as a client that timed out
@@ -448,17 +427,17 @@ func testPostgresSilent(t *testing.T, work time.Duration) {
 // lasts, no key executes twice, and service recovers without a restart.
 func TestFaultPostgresConnectionsKilled(t *testing.T) {
 	sb := postgresBackend(t)
-	app := "idem_kill_" + randomHex(4)
+	app := "idem_kill_" + pgtest.RandomHex(4)
 	up := newUpstream(t)
 	// A completion is retried while its lock is younger than
 	// lock_timeout: a few kills of every connection leave it time.
-	s := protectedSite(t, storeBackend{Name: "postgres", DSN: withApplicationName(sb.DSN, app), Table: sb.Table},
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: pgtest.WithApplicationName(sb.DSN, app), Table: sb.Table},
 		up.Addr(), "retry_after 1s", "lock_timeout 5s")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	// The killer's own connection has another application_name.
-	killer := pgConnect(t, sb.DSN)
+	killer := pgtest.Connect(t, sb.DSN)
 	killerDone := make(chan int)
 	stopKiller := make(chan struct{})
 	go func() {
@@ -546,7 +525,7 @@ func TestFaultPostgresConnectionsKilled(t *testing.T) {
 	// A client has its answer while its record is being completed: the
 	// last ones may still be on their way.
 	notCompleted := func() string {
-		return pgQuery(t, sb.DSN, "SELECT count(*) FROM "+quoteIdent(sb.Table)+" WHERE status <> 'completed'")[0][0]
+		return pgtest.Query(t, sb.DSN, "SELECT count(*) FROM "+pgtest.QuoteIdent(sb.Table)+" WHERE status <> 'completed'")[0][0]
 	}
 	deadline := time.Now().Add(10 * time.Second)
 	for notCompleted() != "0" && time.Now().Before(deadline) {
@@ -689,7 +668,7 @@ func TestFaultClientDisconnectMidResponse(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr())
-		gate := "g-" + randomHex(4)
+		gate := "g-" + pgtest.RandomHex(4)
 		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
 		ctx, cancel := context.WithCancel(context.Background())
 		req, err := s.request(ctx, c)
@@ -746,8 +725,8 @@ func doThroughReload(s *site, c call, resets *atomic.Int64) (r reply, reset bool
 // reload that changes max_conns opens a new pool and closes the old one.
 func TestFaultConfigReloadUnderLoad(t *testing.T) {
 	sb := postgresBackend(t)
-	app := "idem_reload_" + randomHex(4)
-	dsn := withApplicationName(sb.DSN, app)
+	app := "idem_reload_" + pgtest.RandomHex(4)
+	dsn := pgtest.WithApplicationName(sb.DSN, app)
 	up := newUpstream(t)
 	port := freeTCPPort(t)
 	config := func(i int) (string, int) {
@@ -809,7 +788,7 @@ func TestFaultConfigReloadUnderLoad(t *testing.T) {
 
 	pids := make(map[string]bool)
 	sample := func() int {
-		rows := pgQuery(t, sb.DSN, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", app)
+		rows := pgtest.Query(t, sb.DSN, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1", app)
 		for _, r := range rows {
 			pids[r[0]] = true
 		}
@@ -837,7 +816,7 @@ func TestFaultConfigReloadUnderLoad(t *testing.T) {
 	wg.Wait()
 
 	_, lastMax := config(reloads)
-	waitFor(t, 15*time.Second, "the connections to settle", func() bool { return sample() <= lastMax })
+	storetest.WaitFor(t, 15*time.Second, "the connections to settle", func() bool { return sample() <= lastMax })
 	t.Logf("%d requests through %d reloads (%d connections reset and the request sent again); at most %d connections at once, %d distinct over the run, %d pools",
 		requests.Load(), reloads, resets.Load(), most, len(pids), pools)
 	if requests.Load() == 0 {

@@ -142,7 +142,7 @@ func (s *fingerprintState) release() {
 	fingerprintStates.Put(s)
 }
 
-// fingerprint identifies a request for contract step 4: SHA-256 over the
+// fingerprint identifies a request for step 4 (docs/how-it-works.md): SHA-256 over the
 // method, host, path, query, media type, trailers, content coding,
 // method override headers and body, where a JSON
 // body is canonicalised so that member order and whitespace do not

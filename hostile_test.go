@@ -23,6 +23,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -301,7 +303,7 @@ func TestHostileLargeHeaders(t *testing.T) {
 		up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			hits.Add(1)
 			w.Header().Set("X-Big", big('h'))
-			w.Header().Set("X-Execution-Id", randomHex(8))
+			w.Header().Set("X-Execution-Id", pgtest.RandomHex(8))
 			w.WriteHeader(http.StatusCreated)
 		}))
 		t.Cleanup(up.Close)
@@ -362,7 +364,7 @@ func TestHostileKeys(t *testing.T) {
 				}
 				wantCount(t, up, n+1)
 				if sb.Name == "postgres" {
-					rows := pgQuery(t, sb.DSN, "SELECT count(*) FROM "+quoteIdent(sb.Table)+" WHERE key = $1", tc.stored)
+					rows := pgtest.Query(t, sb.DSN, "SELECT count(*) FROM "+pgtest.QuoteIdent(sb.Table)+" WHERE key = $1", tc.stored)
 					if rows[0][0] != "1" {
 						t.Errorf("no record with the key %q", tc.stored)
 					}
@@ -383,9 +385,9 @@ func TestHostileKeys(t *testing.T) {
 // the JSON API as well as the Caddyfile (TestCaddyfileErrors): no
 // statement is ever built with it. The canary table it names survives.
 func TestHostileTableNameRefusedAtLoad(t *testing.T) {
-	dsn := testDSN(t)
-	canary := freshTable(t)
-	pgExec(t, dsn, "CREATE TABLE "+canary+" (x int)")
+	dsn := pgtest.DSN(t)
+	canary := pgtest.FreshTable(t)
+	pgtest.Exec(t, dsn, "CREATE TABLE "+canary+" (x int)")
 	cfg := fmt.Sprintf(`{
 	"admin": {"disabled": true},
 	"logging": {"logs": {"default": {"writer": {"output": "discard"}}}},
@@ -406,7 +408,7 @@ func TestHostileTableNameRefusedAtLoad(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "table") {
 		t.Fatalf("loading a config with table %q: %v, want it refused", "x; DROP TABLE "+canary, err)
 	}
-	if rows := pgQuery(t, dsn, "SELECT to_regclass($1) IS NOT NULL", canary); rows[0][0] != "true" {
+	if rows := pgtest.Query(t, dsn, "SELECT to_regclass($1) IS NOT NULL", canary); rows[0][0] != "true" {
 		t.Fatalf("the canary table %s is gone", canary)
 	}
 }
@@ -419,16 +421,16 @@ func TestHostileTableNameRefusedAtLoad(t *testing.T) {
 // with the same key and body at the same moment.
 func TestHostileSecretsNeverLeak(t *testing.T) {
 	sb := postgresBackend(t)
-	dbPassword := "pw-" + randomHex(10)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	dbPassword := "pw-" + pgtest.RandomHex(10)
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	// The server trusts the test's connections, so the password is
 	// ignored by it, but the module gets it in its DSN like any other.
-	dsn := strings.Replace(throughForwarder(t, sb.DSN, fwd), "postgres@", "postgres:"+dbPassword+"@", 1)
+	dsn := strings.Replace(pgtest.ThroughForwarder(t, sb.DSN, fwd), "postgres@", "postgres:"+dbPassword+"@", 1)
 	t.Setenv("IDEMPOTENCY_SECRET_TEST_DSN", dsn)
 
 	var upstreamSecrets []string
 	for i := range 5 {
-		upstreamSecrets = append(upstreamSecrets, fmt.Sprintf("upstream-secret-%d-%s", i, randomHex(6)))
+		upstreamSecrets = append(upstreamSecrets, fmt.Sprintf("upstream-secret-%d-%s", i, pgtest.RandomHex(6)))
 	}
 	var started atomic.Int32
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -441,7 +443,7 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 		h.Set("Authorization", "Bearer "+upstreamSecrets[2])
 		h.Set("Proxy-Authorization", "Basic "+upstreamSecrets[3])
 		h.Set("Proxy-Authenticate", "Basic realm="+upstreamSecrets[4])
-		h.Set("X-Execution-Id", randomHex(8))
+		h.Set("X-Execution-Id", pgtest.RandomHex(8))
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, `{"ok":true}`)
 	}))
@@ -461,7 +463,7 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 `, port, sb.Table, strings.TrimPrefix(up.URL, "http://")), fmt.Sprintf("127.0.0.1:%d", adminPort))
 	s := newSiteClient(t, srv, port)
 
-	tokenA, tokenB := "sk_live_"+randomHex(12), "sk_live_"+randomHex(12)
+	tokenA, tokenB := "sk_live_"+pgtest.RandomHex(12), "sk_live_"+pgtest.RandomHex(12)
 	credA, credB := "Bearer "+tokenA, "Bearer "+tokenB
 	secrets := make(map[string]string)
 	for name, v := range map[string]string{"token A": tokenA, "token B": tokenB, "db password": dbPassword, "credential A": credA} {
@@ -479,7 +481,7 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 	// runs, on a loaded machine too.
 	slow := call{Key: key, Body: body, Cred: credA, Header: sleepFor(2 * time.Second)}
 	chA := runBackground(t, s, slow)
-	waitFor(t, 15*time.Second, "A's request to reach the upstream", func() bool { return started.Load() == 1 })
+	storetest.WaitFor(t, 15*time.Second, "A's request to reach the upstream", func() bool { return started.Load() == 1 })
 	// Tenant B, same key, same body, while A's request runs: B's own.
 	chB := runBackground(t, s, call{Key: key, Body: body, Cred: credB, Header: slow.Header})
 	wantProblem(t, s.Do(t, call{Key: key, Body: body, Cred: credA}), http.StatusConflict) // in progress
@@ -533,8 +535,8 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 	}
 	// The headers are binary (bytea): their printable bytes are read as
 	// text too.
-	table := pgQuery(t, sb.DSN, "SELECT string_agg(t::text || ' ' || coalesce(encode(t.response_header_bytes, 'escape'), ''), E'\\n') FROM "+
-		quoteIdent(sb.Table)+" t")[0][0]
+	table := pgtest.Query(t, sb.DSN, "SELECT string_agg(t::text || ' ' || coalesce(encode(t.response_header_bytes, 'escape'), ''), E'\\n') FROM "+
+		pgtest.QuoteIdent(sb.Table)+" t")[0][0]
 	for where, data := range map[string][]byte{
 		"the log": logs, "the module's log": moduleLog.Bytes(), "the metrics": metrics, "the table": []byte(table),
 	} {

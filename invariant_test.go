@@ -39,7 +39,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 )
 
 // invariantParams sizes a run.
@@ -321,7 +323,7 @@ func TestInvariantExactlyOnce(t *testing.T) {
 	elapsed := time.Since(start)
 
 	// Detached executions of clients that hung up may still be storing.
-	waitFor(t, 15*time.Second, "every upstream execution to end", func() bool {
+	storetest.WaitFor(t, 15*time.Second, "every upstream execution to end", func() bool {
 		for _, e := range up.Executions() {
 			if e.Ended.IsZero() {
 				return false
@@ -377,8 +379,8 @@ func checkInvariant(t *testing.T, w *workload, plans []keyPlan, up *upstream, sb
 		body   []byte
 	}
 	table := make(map[string]row)
-	rows := pgQuery(t, sb.DSN, "SELECT encode(credential_hash, 'hex'), key, status, coalesce(response_status, 0), "+
-		"encode(coalesce(response_body, ''), 'hex') FROM "+quoteIdent(sb.Table))
+	rows := pgtest.Query(t, sb.DSN, "SELECT encode(credential_hash, 'hex'), key, status, coalesce(response_status, 0), "+
+		"encode(coalesce(response_body, ''), 'hex') FROM "+pgtest.QuoteIdent(sb.Table))
 	for _, r := range rows {
 		code, _ := strconv.Atoi(r[3])
 		body, _ := hex.DecodeString(r[4])

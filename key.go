@@ -1,6 +1,6 @@
 package idempotency
 
-// The idempotency key header: parsing its value (contract step 1), and
+// The idempotency key header: parsing its value (step 1 of docs/how-it-works.md), and
 // keeping it from Go's transport, which takes it as leave to re-send.
 
 import (
@@ -23,7 +23,7 @@ var (
 	errKeyAfterClosing = errors.New("idempotency key has characters after its closing quote; send the quoted key alone, without parameters")
 )
 
-// parseKey validates the value of the key header (contract step 1) and
+// parseKey validates the value of the key header (step 1) and
 // returns the key it names. Error messages are written for the client,
 // without the header's name, which is configurable.
 //

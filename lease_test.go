@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 )
 
 // The issue's reproduction: with a retention of 3s and a lock_timeout of
@@ -150,28 +149,6 @@ func TestHeaderBytesReplayExactly(t *testing.T) {
 	})
 }
 
-// Records completed before migration 0002 have their headers as JSON in
-// response_headers; they still replay.
-func TestPostgresReplaysHeadersStoredAsJSON(t *testing.T) {
-	t.Parallel()
-	s := newTestPostgresStore(t, freshTable(t), 2)
-	ctx := context.Background()
-	req := testAcquireRequest("cred", "json-key", "body")
-	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
-		t.Fatalf("acquire: %+v, %v", res, err)
-	}
-	mustExec(t, s, `UPDATE `+s.table.quoted()+` SET status = 'completed', lock_token = NULL, locked_at = NULL,
-	response_status = 200, response_headers = '{"X-A": ["1", "2"], "Content-Type": ["text/plain"]}',
-	response_body = 'hi', replayable = true, response_size = 2`)
-	res, err := s.Acquire(ctx, retryRequest(req))
-	if err != nil || res.Outcome != store.OutcomeExisting || res.Record.Response == nil {
-		t.Fatalf("replay: %+v, %v", res, err)
-	}
-	if h := res.Record.Response.Header; !equalStrings(h["X-A"], []string{"1", "2"}) || h.Get("Content-Type") != "text/plain" || len(h) != 2 {
-		t.Errorf("headers = %q", h)
-	}
-}
-
 // A response the database refuses for good (here a constraint on the
 // body's size) is not retried until the lock runs out, which let the
 // retry execute again: the record is completed as not replayable, and
@@ -182,7 +159,7 @@ func TestPostgresUnstorableResponseIsNotExecutedAgain(t *testing.T) {
 	u := newUpstream(t)
 	site := protectedSite(t, sb, u.Addr(), "lock_timeout 1s")
 	site.Do(t, call{Key: newKey(), Body: payBody()}) // creates the table
-	pgExec(t, sb.DSN, "ALTER TABLE "+sb.Table+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 50) NOT VALID")
+	pgtest.Exec(t, sb.DSN, "ALTER TABLE "+sb.Table+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 50) NOT VALID")
 
 	key := newKey()
 	c := call{Key: key, Body: payBody(), Header: map[string]string{"X-Test-Size": "100"}}
@@ -199,25 +176,5 @@ func TestPostgresUnstorableResponseIsNotExecutedAgain(t *testing.T) {
 	}
 	if !logged {
 		t.Errorf("no idempotency.unstorable_response log line")
-	}
-}
-
-// Both stores: a Complete that the store refuses for good returns
-// ErrUnstorable, not a transient error.
-func TestPostgresCompleteUnstorableIsPermanent(t *testing.T) {
-	t.Parallel()
-	s := newTestPostgresStore(t, freshTable(t), 2)
-	mustExec(t, s, "ALTER TABLE "+s.table.quoted()+" ADD CONSTRAINT small_bodies CHECK (octet_length(response_body) < 5)")
-	ctx := context.Background()
-	req := testAcquireRequest("cred", "unstorable", "body")
-	if res, err := s.Acquire(ctx, req); err != nil || res.Outcome != store.OutcomeCreated {
-		t.Fatalf("acquire: %+v, %v", res, err)
-	}
-	err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, Body: []byte("too long"), Replayable: true}, req.Retention)
-	if !errors.Is(err, store.ErrUnstorable) {
-		t.Fatalf("complete: %v, want ErrUnstorable", err)
-	}
-	if err := s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 200, BodySize: 8}, req.Retention); err != nil {
-		t.Fatalf("complete without the body: %v", err)
 	}
 }

@@ -308,39 +308,3 @@ func TestFailedCompletionCutsTheResponse(t *testing.T) {
 		t.Errorf("the failed completion was not logged")
 	}
 }
-
-// A reload that changes the pool (another dsn or max_conns) cleans up the
-// old config's store while its requests still run: the pool stays open
-// for them until they are done. Catches closing it at once (their
-// completions failed with "closed pool", and the retries of their keys
-// executed a second time once the locks went stale).
-func TestPoolOutlivesUnloadedRequests(t *testing.T) {
-	table := freshTable(t)
-	dsn := withApplicationName(testDSN(t), "idem_drain_"+randomHex(4))
-	s := &PostgresStore{DSN: dsn, Table: table, MaxConns: 2}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := s.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	var busy atomic.Bool
-	busy.Store(true)
-	s.DrainWhile(busy.Load, time.Minute)
-
-	req := testAcquireRequest("cred", "drain-"+randomHex(4), `{}`)
-	mustAcquirePG(t, s, req, store.OutcomeCreated)
-	cancel() // the config is unloaded, its request still running
-	if err := s.Cleanup(); err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Complete(context.Background(), req.Key, req.Token, &store.Response{Status: 201, Body: []byte{}, Replayable: true}, req.Retention); err != nil {
-		t.Fatalf("completing after the config was unloaded: %v", err)
-	}
-	if _, ok := postgresPools.References(s.poolKey); !ok {
-		t.Fatalf("the pool was let go while a request owned a record")
-	}
-	busy.Store(false)
-	waitFor(t, 15*time.Second, "the pool to be let go", func() bool {
-		_, ok := postgresPools.References(s.poolKey)
-		return !ok
-	})
-}

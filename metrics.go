@@ -7,7 +7,6 @@ import (
 
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -100,17 +99,6 @@ var (
 	}, []string{"server"})
 )
 
-// The store operations, as the operation label names them. Their
-// observers are looked up once: the request path should not hash label
-// values.
-const (
-	opAcquire  = "acquire"
-	opComplete = "complete"
-	opRelease  = "release"
-	opRenew    = "renew"
-	opPrune    = "prune"
-)
-
 type opMetrics struct {
 	duration prometheus.Observer
 	errors   prometheus.Counter
@@ -134,17 +122,17 @@ func newStoreMetrics(server string) *storeMetrics {
 		takeovers: lockTakeovers.WithLabelValues(server),
 		pruned:    prunedRecords.WithLabelValues(server),
 	}
-	for _, op := range []string{opAcquire, opComplete, opRelease, opRenew, opPrune} {
+	for _, op := range []string{store.OpAcquire, store.OpComplete, store.OpRelease, store.OpRenew, store.OpPrune} {
 		m.ops[op] = opMetrics{duration: storeDuration.WithLabelValues(server, op), errors: storeErrors.WithLabelValues(server, op)}
 	}
 	return m
 }
 
-// startupErrors is the counter of the failed attempts of a Postgres store
-// provisioned by ctx to start (startup.go), created at 0 so that an alert
-// works before the first one.
-func startupErrors(ctx caddy.Context) prometheus.Counter {
-	return storeErrors.WithLabelValues(serverName(ctx), "startup")
+// startupErrors is the counter of the failed attempts of the stores of
+// server's handlers to start (store.StartCounter), created at 0 so that
+// an alert works before the first one.
+func startupErrors(server string) prometheus.Counter {
+	return storeErrors.WithLabelValues(server, "startup")
 }
 
 // handlerMetrics is what a handler counts its requests with: the name of
@@ -172,9 +160,9 @@ func newHandlerMetrics(server string) handlerMetrics {
 		bodyBudgetRefusals: bodyBudgetRefusals.WithLabelValues(server),
 		replayAge:          replayAge.WithLabelValues(server),
 		lockLost: lockLostCounters{
-			lockLost.WithLabelValues(server, opComplete),
-			lockLost.WithLabelValues(server, opRelease),
-			lockLost.WithLabelValues(server, opRenew),
+			lockLost.WithLabelValues(server, store.OpComplete),
+			lockLost.WithLabelValues(server, store.OpRelease),
+			lockLost.WithLabelValues(server, store.OpRenew),
 		},
 	}
 }
@@ -192,15 +180,6 @@ func resultCounters(server string) map[string]prometheus.Counter {
 	return m
 }
 
-// serverName is the name of the HTTP server whose routes ctx provisions,
-// or Caddy's own placeholder for none.
-func serverName(ctx caddy.Context) string {
-	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && srv.Name() != "" {
-		return srv.Name()
-	}
-	return "UNKNOWN"
-}
-
 // provisionMetrics registers the collectors in the config's registry,
 // which the admin endpoint's /metrics and the metrics handler serve
 // (wrapStore instruments the store).
@@ -212,7 +191,7 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 			return err
 		}
 	}
-	h.metrics = newHandlerMetrics(serverName(ctx))
+	h.metrics = newHandlerMetrics(store.ServerName(ctx))
 	return nil
 }
 
@@ -260,7 +239,7 @@ func (m opMetrics) count(ctx context.Context, err error) {
 func (s instrumentedStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	start, epoch := time.Now(), s.m.log.begin()
 	res, err := s.Store.Acquire(ctx, req)
-	s.observe(ctx, opAcquire, start, epoch, err)
+	s.observe(ctx, store.OpAcquire, start, epoch, err)
 	if err == nil && res.Outcome == store.OutcomeTakenOver {
 		s.m.takeovers.Inc()
 	}
@@ -270,28 +249,28 @@ func (s instrumentedStore) Acquire(ctx context.Context, req store.AcquireRequest
 func (s instrumentedStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Complete(ctx, key, token, resp, retention)
-	s.observe(ctx, opComplete, start, epoch, err)
+	s.observe(ctx, store.OpComplete, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Release(ctx, key, token)
-	s.observe(ctx, opRelease, start, epoch, err)
+	s.observe(ctx, store.OpRelease, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	start, epoch := time.Now(), s.m.log.begin()
 	err := s.Store.Renew(ctx, key, token)
-	s.observe(ctx, opRenew, start, epoch, err)
+	s.observe(ctx, store.OpRenew, start, epoch, err)
 	return err
 }
 
 func (s instrumentedStore) Prune(ctx context.Context, batchSize int) (int64, error) {
 	start, epoch := time.Now(), s.m.log.begin()
 	n, err := s.Store.Prune(ctx, batchSize)
-	s.observe(ctx, opPrune, start, epoch, err)
+	s.observe(ctx, store.OpPrune, start, epoch, err)
 	s.m.pruned.Add(float64(n))
 	return n, err
 }
@@ -312,16 +291,16 @@ var (
 func (s instrumentedStore) RenewLocks(ctx context.Context, locks []store.HeldLock) []error {
 	start, epoch := time.Now(), s.m.log.begin()
 	errs := renewLocks(ctx, s.Store, locks)
-	m := s.m.ops[opRenew]
+	m := s.m.ops[store.OpRenew]
 	m.duration.Observe(time.Since(start).Seconds())
 	var failed error
 	for _, err := range errs {
 		m.count(ctx, err)
-		if err != nil && failed == nil && noAnswer(err) {
+		if err != nil && failed == nil && s.m.log.noAnswer(err) {
 			failed = err
 		}
 	}
 	// One round trip: the store answered it, or did not.
-	s.m.log.observed(ctx, opRenew, epoch, failed)
+	s.m.log.observed(ctx, store.OpRenew, epoch, failed)
 	return errs
 }

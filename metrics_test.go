@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -24,7 +26,7 @@ func TestMetricsCount(t *testing.T) {
 	down := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
 	// The down store's site has a secret of its own, so that its request
 	// gets as far as the acquire, without the store's.
-	t.Setenv("IDEMPOTENCY_TEST_METRICS_SECRET", randomHex(32))
+	t.Setenv("IDEMPOTENCY_TEST_METRICS_SECRET", pgtest.RandomHex(32))
 	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
 		%s
@@ -67,7 +69,7 @@ http://127.0.0.1:%d {
 	wantProblem(t, pg.Do(t, call{Key: c2.Key, Body: c2.Body}), http.StatusConflict)
 	// As if a retry had taken the lock over: c2's completion finds it
 	// lost, and its response, which no retry gets, is cut.
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET lock_token = $1 WHERE key = $2`, bytes.Repeat([]byte{0xad}, 16), c2.Key)
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET lock_token = $1 WHERE key = $2`, bytes.Repeat([]byte{0xad}, 16), c2.Key)
 	if err := <-ch; err == nil {
 		t.Errorf("the request whose lock was lost got a whole answer")
 	}
@@ -76,7 +78,7 @@ http://127.0.0.1:%d {
 	wantExecuted(t, pg.Do(t, c3), http.StatusCreated)
 	sb.waitCompleted(t, c3.Key)
 	primaryLongUp(t, sb.DSN, sb.Table)
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
@@ -88,19 +90,19 @@ http://127.0.0.1:%d {
 	wantProblem(t, storeDown.Do(t, call{Key: newKey(), Body: payBody()}), http.StatusServiceUnavailable)
 
 	for i := range 3 {
-		pgExec(t, sb.DSN, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+		pgtest.Exec(t, sb.DSN, `INSERT INTO `+pgtest.QuoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
 			status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
 			VALUES ($1, $2, $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() - interval '1 day', 201, '{}', '', true, 0)`,
 			bytes.Repeat([]byte{9}, 32), fmt.Sprintf("expired-%d", i))
 	}
-	waitFor(t, 15*time.Second, "the pruner to delete the 3 expired rows", func() bool { return pgCount(t, sb) == 3 })
+	storetest.WaitFor(t, 15*time.Second, "the pruner to delete the 3 expired rows", func() bool { return pgCount(t, sb) == 3 })
 
 	var after metricsSnapshot
 	delta := func(name string, labels ...string) float64 {
 		return after.value(name, labels...) - before.value(name, labels...)
 	}
 	// The pruner's counter is added to right after its statement.
-	waitFor(t, 10*time.Second, "the pruned records to be counted", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "the pruned records to be counted", func() bool {
 		after = scrapeMetrics(t, admin).of(srv.Servers)
 		return delta("caddy_idempotency_pruned_records_total") >= 3
 	})

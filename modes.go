@@ -65,13 +65,10 @@ func (h *Handler) validateModes() error {
 	if h.Wait < 0 {
 		return fmt.Errorf("wait must not be negative")
 	}
-	if h.MismatchStatus != http.StatusConflict && h.MismatchStatus != http.StatusUnprocessableEntity {
-		return fmt.Errorf("mismatch_status must be 409 or 422, not %d", h.MismatchStatus)
+	if err := checkMismatchStatus(h.MismatchStatus); err != nil {
+		return err
 	}
-	if h.OnStoreError != onStoreErrorFailClosed && h.OnStoreError != onStoreErrorFailOpen {
-		return fmt.Errorf("on_store_error must be %s or %s, not %q", onStoreErrorFailClosed, onStoreErrorFailOpen, h.OnStoreError)
-	}
-	return nil
+	return checkOnStoreError(h.OnStoreError)
 }
 
 // mismatchProblem is the answer to a key reused with another request,
@@ -108,6 +105,7 @@ func (h *Handler) setResult(repl *caddy.Replacer, r string) {
 func (q *request) handOn() error {
 	if q.bodyRead {
 		restoreBody(q.r, q.body, q.bodyCut)
+		hideKeyFromTransport(q.r.Header)
 	}
 	return q.next.ServeHTTP(q.w, q.r)
 }

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -10,7 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -129,7 +129,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	for range waiters {
 		go func() { replies <- s.Do(t, call{Key: c.Key, Body: c.Body}) }()
 	}
-	waitFor(t, 4*time.Second, "every waiter to look twice", func() bool {
+	storetest.WaitFor(t, 4*time.Second, "every waiter to look twice", func() bool {
 		return acquires()-before >= 2*waiters
 	})
 	time.Sleep(time.Second) // a waiter that polled would look again meanwhile
@@ -151,7 +151,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	stuck := call{Key: newKey(), Body: payBody()}
 	wantExecuted(t, s.Do(t, stuck), http.StatusCreated)
 	sb.waitCompleted(t, stuck.Key)
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now(),
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
@@ -159,7 +159,7 @@ func TestWaitPostgresIsNotified(t *testing.T) {
 	buildCaddy(t) // before the clock starts
 	base := acquires()
 	waiterCh := runBackground(t, s, stuck)
-	waitFor(t, 15*time.Second, "the waiter to wait", func() bool {
+	storetest.WaitFor(t, 15*time.Second, "the waiter to wait", func() bool {
 		return acquires()-base >= 2 // its first look and the one after registering
 	})
 	start := time.Now()
@@ -180,12 +180,12 @@ func TestWaitPostgresListenerReconnects(t *testing.T) {
 	sb := postgresBackend(t)
 	up := newUpstream(t)
 	s := protectedSite(t, sb, up.Addr(), "wait 20s", "lock_timeout 1h")
-	waitFor(t, 15*time.Second, "the listener to connect", func() bool {
-		return pgBackends(t, sb.DSN, "caddy-idempotency-listener") == 1
+	storetest.WaitFor(t, 15*time.Second, "the listener to connect", func() bool {
+		return pgtest.Backends(t, sb.DSN, "caddy-idempotency-listener") == 1
 	})
-	pgQuery(t, sb.DSN, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'caddy-idempotency-listener'`)
-	waitFor(t, 15*time.Second, "the listener to reconnect", func() bool {
-		return pgBackends(t, sb.DSN, "caddy-idempotency-listener") == 1
+	pgtest.Query(t, sb.DSN, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'caddy-idempotency-listener'`)
+	storetest.WaitFor(t, 15*time.Second, "the listener to reconnect", func() bool {
+		return pgtest.Backends(t, sb.DSN, "caddy-idempotency-listener") == 1
 	})
 	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(700 * time.Millisecond)}
 	firstCh := runBackground(t, s, c)
@@ -207,82 +207,6 @@ func TestWaitPostgresListenerReconnects(t *testing.T) {
 		t.Errorf("no idempotency.store_error line for the lost listener connection")
 	}
 	t.Logf("%v", line)
-}
-
-// Both stores wake a waiter on completion and on release, and forget a
-// waiter whose context ends.
-func TestWaiterStores(t *testing.T) {
-	stores := map[string]func(t *testing.T) (store.Store, store.Waiter){
-		"memory": func(t *testing.T) (store.Store, store.Waiter) {
-			s, _ := newTestMemoryStore(10)
-			if err := s.EnableWaiting(); err != nil {
-				t.Fatal(err)
-			}
-			return s, s
-		},
-		"postgres": func(t *testing.T) (store.Store, store.Waiter) {
-			s := newTestPostgresStore(t, freshTable(t), 4)
-			if err := s.EnableWaiting(); err != nil {
-				t.Fatal(err)
-			}
-			waitFor(t, 15*time.Second, "the listener to connect", func() bool {
-				return pgBackends(t, s.poolKey.dsn, "caddy-idempotency-listener") >= 1
-			})
-			return s, s
-		},
-	}
-	for name, open := range stores {
-		t.Run(name, func(t *testing.T) {
-			s, w := open(t)
-			ctx := context.Background()
-			woken := func(ch <-chan struct{}) bool {
-				select {
-				case <-ch:
-					return true
-				case <-time.After(10 * time.Second):
-					return false
-				}
-			}
-			for _, end := range []string{"complete", "release"} {
-				req := testAcquireRequest("Bearer waiter", "key-"+end+"-"+name, "{}")
-				if _, err := s.Acquire(ctx, req); err != nil {
-					t.Fatal(err)
-				}
-				other := testAcquireRequest("Bearer waiter", "key-other-"+end+"-"+name, "{}")
-				if _, err := s.Acquire(ctx, other); err != nil {
-					t.Fatal(err)
-				}
-				wctx, cancel := context.WithCancel(ctx)
-				ch := w.WaitCompleted(wctx, req.Key)
-				otherCh := w.WaitCompleted(wctx, other.Key)
-				var err error
-				if end == "complete" {
-					err = s.Complete(ctx, req.Key, req.Token, &store.Response{Status: 201, Header: http.Header{}, Body: []byte("ok"), Replayable: true, BodySize: 2}, req.Retention)
-				} else {
-					err = s.Release(ctx, req.Key, req.Token)
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				if !woken(ch) {
-					t.Errorf("%s did not wake the waiter", end)
-				}
-				select {
-				case <-otherCh:
-					t.Errorf("%s woke the waiter of another record", end)
-				default:
-				}
-				cancel()
-			}
-			if ms, ok := s.(*MemoryStore); ok {
-				waitFor(t, 5*time.Second, "cancelled waiters to be forgotten", func() bool {
-					ms.records.waits.mu.Lock()
-					defer ms.records.waits.mu.Unlock()
-					return len(ms.records.waits.m) == 0
-				})
-			}
-		})
-	}
 }
 
 // ---------------------------------------------------------------------------

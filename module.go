@@ -12,10 +12,7 @@ package idempotency
 
 import (
 	"cmp"
-	"context"
-	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -23,19 +20,20 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/errlog"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/stores/memory"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 func init() {
 	caddy.RegisterModule(Handler{})
 }
 
-// Defaults, as the contract states them.
+// Defaults, as docs/configuration.md gives them.
 const (
 	defaultKeyHeader        = "Idempotency-Key"
 	defaultCredentialHeader = "Authorization"
@@ -46,10 +44,6 @@ const (
 	defaultPruneInterval    = time.Hour
 	defaultExecutionTimeout = 5 * time.Minute
 	pruneBatchSize          = 5000
-	// storeTimeout bounds one store round trip: a store that does not
-	// answer in time is treated as unreachable (503), rather than
-	// holding the client until its own timeout.
-	storeTimeout = 5 * time.Second
 )
 
 // alwaysExcluded are the response headers never stored nor replayed:
@@ -264,7 +258,7 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) error {
 	// Every line names the HTTP server, as the metrics do: one Caddy logs
 	// for several servers, whose handlers' lines look alike otherwise.
-	h.logger = ctx.Logger().With(zap.String("server", serverName(ctx)))
+	h.logger = ctx.Logger().With(zap.String("server", store.ServerName(ctx)))
 
 	h.explicitKeyHeader, h.explicitCredHeader = h.KeyHeader, h.CredentialHeader
 	h.scopeCache = new(atomic.Pointer[scopeCached])
@@ -319,7 +313,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 
 	if h.StoreRaw == nil {
-		h.StoreRaw = caddyconfig.JSONModuleObject(MemoryStore{}, "backend", "memory", nil)
+		h.StoreRaw = caddyconfig.JSONModuleObject(memory.Store{}, "backend", "memory", nil)
 	}
 	mod, err := ctx.LoadModule(h, "StoreRaw")
 	if err != nil {
@@ -336,6 +330,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	sm := newStoreMetrics(h.metrics.server)
 	sm.log = h.storeLog
 	h.store, h.cache = wrapStore(mod.(store.Store), sm, *h.ReplayCache)
+	h.storeLog.classifier, _ = store.As[store.Classifier](h.store)
+	if sc, ok := store.As[store.StartCounter](h.store); ok {
+		sc.CountFailedStarts(startupErrors(h.metrics.server))
+	}
 	_, h.inProcess = store.As[store.InProcess](h.store)
 	h.records = recordsOf(h.store)
 	if err := h.provisionCredentials(); err != nil {
@@ -366,153 +364,6 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.logger.Info("idempotency.provisioned", zap.String("version", Version),
 		zap.String("store", mod.(caddy.Module).CaddyModule().ID.Name()))
 	return nil
-}
-
-// wrapStore builds the chain of stores that a handler calls, around the
-// store module raw: the metrics time each call that reaches raw, and the
-// replay cache, outermost, answers replays without one (its hits are no
-// round trips of the store). A cacheSize of 0 leaves the cache out; the
-// cache is returned too, nil then, for the admin API, whose releases
-// evict what it holds. raw's capabilities stay reachable through the
-// chain (store.As).
-func wrapStore(raw store.Store, m *storeMetrics, cacheSize int64) (store.Store, *replayCache) {
-	var s store.Store = instrumentedStore{raw, m}
-	if cacheSize <= 0 {
-		return s, nil
-	}
-	// Even in front of the memory store: a hit skips the store's lock
-	// and its defensive copy of the response.
-	rc := newReplayCache(s, cacheSize)
-	_, inProcess := store.As[store.InProcess](raw)
-	rc.learnOnComplete = !inProcess
-	return rc, rc
-}
-
-// Validate rejects settings that cannot work.
-func (h *Handler) Validate() error {
-	if err := h.validateModes(); err != nil {
-		return err
-	}
-	if h.MaxRequestBody < 0 || h.MaxResponseBody < 0 {
-		return fmt.Errorf("max_request_body and max_response_body must be positive")
-	}
-	// The Caddyfile's bound, for JSON too: a body is held in memory.
-	for name, n := range map[string]int64{"max_request_body": h.MaxRequestBody, "max_response_body": h.MaxResponseBody} {
-		if n > math.MaxInt32 {
-			return fmt.Errorf("idempotency: %s: size must be between 1 byte and 2GiB, got %d", name, n)
-		}
-	}
-	if err := h.validateBodyBudget(); err != nil {
-		return err
-	}
-	if h.ReplayCache != nil && *h.ReplayCache < 0 {
-		return fmt.Errorf("replay_cache must not be negative")
-	}
-	if h.Retention < 0 || h.LockTimeout < 0 || h.RetryAfter < 0 || h.ExecutionTimeout < 0 || *h.PruneInterval < 0 {
-		return fmt.Errorf("durations must not be negative")
-	}
-	if time.Duration(h.Retention) <= time.Duration(h.LockTimeout) {
-		return fmt.Errorf("retention (%s) must be longer than lock_timeout (%s)",
-			time.Duration(h.Retention), time.Duration(h.LockTimeout))
-	}
-	for _, m := range h.Methods {
-		if !validToken(m) {
-			return fmt.Errorf("invalid method %q", m)
-		}
-		if err := checkUnsafeMethod(m); err != nil {
-			return err
-		}
-	}
-	for _, f := range durationFloors(h) {
-		if err := f.check(); err != nil {
-			return err
-		}
-	}
-	if h.Credential != "" {
-		if err := checkCredentialPlaceholder(h.Credential); err != nil {
-			return err
-		}
-	}
-	if err := checkScope(h.Scope, h.Credential, h.explicitCredHeader); err != nil {
-		return err
-	}
-	if err := checkKeyJSON(h.KeyJSON, h.explicitKeyHeader); err != nil {
-		return err
-	}
-	if err := checkKeyHeader(h.KeyHeader, h.CredentialHeader, h.Credential); err != nil {
-		return err
-	}
-	for _, name := range append([]string{h.KeyHeader, h.CredentialHeader}, h.ExcludeHeaders...) {
-		if !validToken(name) {
-			return fmt.Errorf("invalid header name %q", name)
-		}
-	}
-	return nil
-}
-
-// minDuration is the shortest lock_timeout, retry_after,
-// execution_timeout and (unless 0) prune_interval: shorter ones turn the
-// lock's renewals and the pruner into loops that spin on the store.
-const minDuration = time.Second
-
-// minWait is the shortest wait, unless 0.
-const minWait = 10 * time.Millisecond
-
-// durationFloor is a setting with the least value that makes sense.
-type durationFloor struct {
-	name   string
-	value  time.Duration
-	min    time.Duration
-	zeroOK bool
-}
-
-func durationFloors(h *Handler) []durationFloor {
-	return []durationFloor{
-		{"lock_timeout", time.Duration(h.LockTimeout), minDuration, false},
-		{"retry_after", time.Duration(h.RetryAfter), minDuration, false},
-		{"execution_timeout", time.Duration(h.ExecutionTimeout), minDuration, false},
-		{"prune_interval", time.Duration(*h.PruneInterval), minDuration, true},
-		{"wait", time.Duration(h.Wait), minWait, true},
-	}
-}
-
-func (f durationFloor) check() error {
-	if f.value >= f.min || f.zeroOK && f.value == 0 {
-		return nil
-	}
-	or0 := ""
-	if f.zeroOK {
-		or0 = " (or 0)"
-	}
-	return fmt.Errorf("%s %s is too short: it must be at least %s%s", f.name, f.value, f.min, or0)
-}
-
-// checkUnsafeMethod refuses the methods that Go's HTTP transport (the
-// one reverse_proxy uses) re-sends on its own: it retries a request that
-// fails on a dropped keep-alive connection when the method is GET, HEAD,
-// OPTIONS or TRACE, whatever its headers say, so the upstream could run
-// a "protected" one twice.
-func checkUnsafeMethod(m string) error {
-	switch strings.ToUpper(m) {
-	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace:
-		return fmt.Errorf("method %s cannot be protected: reverse_proxy's transport re-sends %s requests on a dropped keep-alive connection, which could execute one twice; protect the methods that change state (POST, PATCH, PUT, DELETE)", m, strings.ToUpper(m))
-	}
-	return nil
-}
-
-// validToken reports whether s is an RFC 9110 token (a method or a
-// header field name).
-func validToken(s string) bool {
-	if s == "" {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
-			return false
-		}
-	}
-	return true
 }
 
 // Cleanup implements caddy.CleanerUpper: the handler's config is
@@ -549,264 +400,6 @@ func (h *Handler) awaitExecutions(max time.Duration) {
 	}
 }
 
-// request is a protected request on its way through ServeHTTP's steps:
-// what the steps have learned of it, and what every log line about it
-// says (fields). Each step fills in what it learns, as reverse_proxy's
-// handleResponseContext carries an attempt.
-type request struct {
-	w    http.ResponseWriter
-	r    *http.Request
-	repl *caddy.Replacer
-	next caddyhttp.Handler
-
-	key    string          // the key, as parsed from its header (step 1)
-	rk     store.RecordKey // the record's key: the key under the credential (step 2)
-	credID string          // the credential, as logs name it (credentialID)
-	fp     [32]byte        // the fingerprint (step 4)
-	// body is the request's body once it has been read (bodyRead, step
-	// 3), which handOn gives back to the request: whole, or, where
-	// reading stopped at bodyCut, the part read and then the rest.
-	body     []byte
-	bodyRead bool
-	bodyCut  *problem
-	token    store.LockToken // this request's claim on its record (step 5)
-	// dated is when the lock was last dated: no later than when the
-	// store got the acquire, or the renewal, that dated it. Renewals
-	// are timed from it.
-	dated time.Time
-}
-
-// appendFields appends the fields of every line about the request to f.
-func (q *request) appendFields(f []zap.Field) []zap.Field {
-	return append(f, zap.String("key", q.key), zap.String("credential_id", q.credID),
-		zap.String("host", logHost(q.r)), zap.String("method", q.r.Method), zap.String("path", clientPath(q.r)))
-}
-
-// fields are the request's fields, then extra.
-func (q *request) fields(extra ...zap.Field) []zap.Field {
-	return append(q.appendFields(make([]zap.Field, 0, 5+len(extra))), extra...)
-}
-
-// ServeHTTP implements the request path of the contract, step by step.
-func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	// Methods compare case-insensitively: frameworks run `post` as POST.
-	// ToUpper returns an upper-case method as it is, without allocating.
-	method := strings.ToUpper(r.Method)
-	if _, protected := h.methods[method]; !protected {
-		return next.ServeHTTP(w, r)
-	}
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	// A handler around this one that protects the request has set its
-	// result, and counts the request by its final result when it is done.
-	_, counted := repl.Get(resultPlaceholder)
-	// Both placeholders are set on every protected request, so that an
-	// access log shows an empty key rather than a missing field.
-	repl.Set("http.idempotency.key", "")
-
-	// 1. Key, and 2. credential, hashed at once.
-	key, rk, idProb, err := h.identify(r, repl)
-	if err == nil && idProb == nil && key != "" && ownedOnTheWay(r.Context(), h.records, rk) {
-		// A handler around this one owns this very record and executes
-		// the request under it (nesting.go): it stores the response.
-		// Acquiring it again would find it in progress and answer 409.
-		return next.ServeHTTP(w, r)
-	}
-	if !counted {
-		defer h.countResult(repl)
-	}
-	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk}
-	switch {
-	case err != nil:
-		h.storeError(&q, "credential_secret", err)
-		return h.storeFailed(&q)
-	case idProb != nil:
-		return h.refuse(&q, key, *idProb)
-	case key == "" && h.keyPointer == nil:
-		return h.pass(&q, resultNoKey)
-	}
-	q.credID = credentialID(rk.CredentialHash)
-
-	// 3. Body, read whole (bounded) and handed on intact, and a key_json
-	// key read from it.
-	body, held, prob := h.readBody(r)
-	defer h.bodyBudget.release(held)
-	q.body, q.bodyRead, q.bodyCut = body, true, prob
-	if prob != nil {
-		return h.refuse(&q, key, *prob)
-	}
-	if h.keyPointer != nil {
-		switch prob := h.keyFromBody(&q, body); {
-		case prob != nil:
-			return h.refuse(&q, "", *prob)
-		case q.key == "":
-			// Without a key under `optional`.
-			return h.pass(&q, resultNoKey)
-		case ownedOnTheWay(r.Context(), h.records, q.rk):
-			// Executed under this very record by a handler around this
-			// one (as above).
-			return q.handOn()
-		}
-	}
-
-	// 4. Fingerprint.
-	q.fp = fingerprint(headOf(r), body)
-
-	// 5. Acquire, in one round trip (and, with `wait`, wait for the
-	// same request in progress to finish). The store dates a lock when
-	// the acquire reaches it, so the lock is dated from the acquire's
-	// sending, not from the answer, which a loaded store may give late.
-	h.executing.Add(1)
-	defer h.executing.Add(-1)
-	q.token = newLockToken()
-	q.dated = time.Now()
-	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), logHost(r))
-	if err != nil {
-		h.storeError(&q, "acquire", err)
-		return h.storeFailed(&q)
-	}
-
-	// 6. An existing record.
-	if acq.Outcome == store.OutcomeExisting {
-		return h.existing(&q, acq.Record)
-	}
-	if refused := h.confirmLate(&q); refused != nil {
-		return h.answer(&q, *refused)
-	}
-
-	// 7–9. Execute, then complete or release.
-	restoreBody(r, body, nil)
-	return h.execute(&q)
-}
-
-// verdict is what a request that is not executed under its record gets:
-// the result that {http.idempotency.result} shows, and the problem that
-// enforcement answers (none for a replay). Shadow mode executes the
-// request instead, unrecorded, under the result (answer).
-type verdict struct {
-	result     string
-	prob       problem
-	retryAfter int
-}
-
-// confirmLate confirms the lock of an acquire answered later than a
-// renewal would be due: the lock may be about to go stale, or a retry
-// may already have taken it over, and nothing that runs can be taken
-// back. Confirmed, the lock is dated from the confirmation (q.dated);
-// otherwise it returns the verdict on a request that must not execute
-// under it. That fails closed, whatever on_store_error says: the lock
-// would go stale under the execution.
-func (h *Handler) confirmLate(q *request) *verdict {
-	if time.Since(q.dated) < h.renewInterval() {
-		return nil
-	}
-	confirmed := time.Now()
-	switch err := h.renew(q.rk, q.token); {
-	case errors.Is(err, store.ErrLockLost):
-		h.metrics.lockLost.renew.Inc()
-		h.logger.Warn("idempotency.lock_lost", q.fields(zap.String("during", "confirm"))...)
-		return &verdict{resultInProgress, probInProgress, h.retrySecs}
-	case err != nil:
-		// Nothing ran: give the key back if the store lets us, so that
-		// the retry need not wait for the lock to go stale.
-		h.storeError(q, "renew", err)
-		h.release(q, err)
-		return &verdict{resultStoreError, probStoreUnavailable, h.retrySecs}
-	}
-	q.dated = confirmed
-	return nil
-}
-
-// acquireRequest describes q to the store, under this handler's timings.
-func (h *Handler) acquireRequest(q *request) store.AcquireRequest {
-	method, u := clientRequest(q.r)
-	return store.AcquireRequest{
-		Key:         q.rk,
-		Token:       q.token,
-		Fingerprint: q.fp,
-		Method:      strings.ToUpper(method),
-		Path:        u.EscapedPath(),
-		LockTimeout: time.Duration(h.LockTimeout),
-		Retention:   time.Duration(h.Retention),
-	}
-}
-
-func (h *Handler) acquire(ctx context.Context, req store.AcquireRequest, host string) (store.AcquireResult, error) {
-	// Not cancelled by the client leaving: a cancelled statement may
-	// have committed all the same, leaving a lock that nobody owns, and
-	// every retry would get 409 until lock_timeout. A request that
-	// acquires after its client left executes and is stored for the
-	// retry, as step 7 has it.
-	if rec := heldHere(h.records, req.Key); rec != nil {
-		return store.AcquireResult{Outcome: store.OutcomeExisting, Record: rec}, nil
-	}
-	ctx, cancel := h.storeCall(context.WithoutCancel(ctx), storeTimeout)
-	defer cancel()
-	res, err := h.store.Acquire(ctx, req)
-	if err == nil && res.Outcome == store.OutcomeTakenOver {
-		// Logged here, where every acquire passes (a shadow one, one
-		// while waiting), rather than by each caller.
-		h.logger.Warn("idempotency.takeover", acquireFields(req, host, zap.Duration("lock_timeout", req.LockTimeout))...)
-	}
-	return res, err
-}
-
-// acquireFields are the fields of a line about the acquire req, sent to
-// host: the request's as the store was told them, then extra.
-func acquireFields(req store.AcquireRequest, host string, extra ...zap.Field) []zap.Field {
-	return append([]zap.Field{zap.String("key", req.Key.Key), zap.String("credential_id", credentialID(req.Key.CredentialHash)),
-		zap.String("host", host), zap.String("method", req.Method), zap.String("path", req.Path)}, extra...)
-}
-
-// credentialID is how logs and the CLI name a credential: the first 6
-// bytes of its keyed hash, in hex, which no dictionary can reproduce
-// without the secret.
-func credentialID(hash [32]byte) string {
-	return hex.EncodeToString(hash[:6])
-}
-
-// storeError logs the failure of the store operation op for q, unless
-// op has been logged less than a second ago (storeLog).
-func (h *Handler) storeError(q *request, op string, err error) {
-	ok, suppressed := h.storeLog.allow(op)
-	if !ok {
-		return
-	}
-	h.logger.Error("idempotency.store_error", storeErrorFields(op, err, suppressed, q.appendFields(make([]zap.Field, 0, 5))...)...)
-}
-
-// Results, as {http.idempotency.result} shows them.
-const (
-	resultExecuted   = "executed"
-	resultReplayed   = "replayed"
-	resultMismatch   = "mismatch"
-	resultInProgress = "in_progress"
-	resultRejected   = "rejected"
-	resultReleased   = "released"
-	resultStoreError = "store_error"
-)
-
-// reject answers a request that is the client's error (steps 1–3), or
-// that the body budget has no room for (503, to retry later).
-func (h *Handler) reject(w http.ResponseWriter, repl *caddy.Replacer, key string, p problem) error {
-	if c := h.logger.Check(zapcore.DebugLevel, "idempotency.rejected"); c != nil {
-		c.Write(zap.String("key", key), zap.Int("status", p.Status), zap.String("title", p.Title))
-	}
-	retryAfter := 0
-	switch p.Status {
-	case http.StatusServiceUnavailable:
-		retryAfter = h.retrySecs
-	case http.StatusUnauthorized:
-		w.Header().Set("WWW-Authenticate", h.challenge)
-	}
-	return h.finish(w, repl, resultRejected, p, retryAfter)
-}
-
-func (h *Handler) finish(w http.ResponseWriter, repl *caddy.Replacer, result string, p problem, retryAfter int) error {
-	h.setResult(repl, result)
-	p.worded(h.words).write(w, retryAfter)
-	return nil
-}
-
 // pruneLoop deletes expired records every interval until the config that
 // started it is unloaded.
 func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
@@ -821,8 +414,8 @@ func (h *Handler) pruneLoop(ctx caddy.Context, interval time.Duration) {
 			switch {
 			case err != nil && ctx.Err() != nil:
 			case err != nil:
-				if ok, suppressed := h.storeLog.allow(opPrune); ok {
-					h.logger.Error("idempotency.store_error", storeErrorFields(opPrune, err, suppressed)...)
+				if ok, suppressed := h.storeLog.allow(store.OpPrune); ok {
+					h.logger.Error("idempotency.store_error", errlog.Fields(store.OpPrune, err, suppressed)...)
 				}
 			case n > 0:
 				h.logger.Info("idempotency.prune", zap.Int64("rows", n))

@@ -1,10 +1,10 @@
 package idempotency
 
-// End-to-end tests of the contract's core (/CONTRACT.md) through a real
+// End-to-end tests of the core behaviour (docs/how-it-works.md) through a real
 // Caddy and a real Postgres: a retry is answered with the first response,
 // another request under its key is refused, and what makes two requests
 // the same. Store-neutral tests run once per store, as the subtests
-// "memory" and "postgres". The harness is in harness_test.go; the other
+// "memory" and "postgres". The harness is in harness*_test.go; the other
 // subjects have files of their own (concurrency, detached, protect,
 // response, reload, expiry, release, credential, caddyfile, config).
 

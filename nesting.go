@@ -14,24 +14,11 @@ package idempotency
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync/atomic"
 
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 )
-
-// recordsOf names the records that a store module holds: handlers whose
-// stores have the same name read and write the same records. The admin
-// API groups handlers by it too.
-func recordsOf(st store.Store) string {
-	if rs, ok := store.As[store.RecordSet](st); ok {
-		return rs.Records()
-	}
-	// Its own records, as far as this package can tell.
-	s := store.Innermost(st)
-	return fmt.Sprintf("%T %p", s, s)
-}
 
 // ownedCtxKey is the context key of the records that the handlers on a
 // request's way own while it executes: an *ownedRecord.

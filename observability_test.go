@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -30,7 +32,7 @@ func TestLogLines(t *testing.T) {
 	// One secret for every site: a credential then has one id in all
 	// their lines, whatever their store, and a store that is down still
 	// lets the handler name the credential.
-	logSecret := randomHex(32)
+	logSecret := pgtest.RandomHex(32)
 	t.Setenv("IDEMPOTENCY_TEST_LOG_SECRET", logSecret)
 	srv := startCaddyfile(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
@@ -78,7 +80,7 @@ http://127.0.0.1:%d {
 `, pPG, sb.Block(), up.Addr(), pUndialable, freeTCPPort(t), pDown, down, up.Addr(),
 		pOpen, down, up.Addr(), pShadow, up.Addr()))
 	pg := newSiteClient(t, srv, pPG)
-	secret := "Bearer sk_test_" + randomHex(12)
+	secret := "Bearer sk_test_" + pgtest.RandomHex(12)
 	sum := newCredentialHasher([]byte(logSecret)).hash(secret)
 	credID := hex.EncodeToString(sum[:6])
 
@@ -92,14 +94,14 @@ http://127.0.0.1:%d {
 	pg.Do(t, call{Key: slow.Key, Body: slow.Body, Cred: secret, Path: "/v1/charges"}) // in progress
 	<-ch
 	sb.waitCompleted(t, slow.Key)
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET status = 'in_progress',
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET status = 'in_progress',
 		lock_token = $1, locked_at = now() - interval '1 hour',
 		response_status = NULL, response_headers = NULL, response_body = NULL,
 		replayable = NULL, response_size = NULL
 		WHERE key = $2`, bytes.Repeat([]byte{0xde}, 16), c.Key)
 	primaryLongUp(t, sb.DSN, sb.Table)
 	pg.Do(t, c) // takeover
-	pgExec(t, sb.DSN, `INSERT INTO `+quoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
+	pgtest.Exec(t, sb.DSN, `INSERT INTO `+pgtest.QuoteIdent(sb.Table)+` (credential_hash, key, fingerprint, method, path,
 		status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
 		VALUES ($1, 'expired-key', $1, 'POST', '/pay', 'completed', now() - interval '2 days', now() - interval '1 day', 201, '{}', '', true, 0)`,
 		bytes.Repeat([]byte{9}, 32))
@@ -110,7 +112,7 @@ http://127.0.0.1:%d {
 	sc := call{Key: newKey(), Body: payBody(), Cred: secret, Path: "/v1/charges"}
 	shadow.Do(t, sc)
 	shadow.Do(t, sc)
-	waitFor(t, 15*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
+	storetest.WaitFor(t, 15*time.Second, "the pruner", func() bool { return pgCount(t, sb) == 2 })
 
 	// One Caddy logs for several sites and servers: each line names its
 	// HTTP server, and a request's lines the Host it was sent to.
@@ -271,7 +273,7 @@ func TestAccessLogPlaceholders(t *testing.T) {
 	// The lines of the requests sent one after the other, in order: all
 	// but the in-flight request's own.
 	var access []map[string]any
-	waitFor(t, 10*time.Second, "the access log lines", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "the access log lines", func() bool {
 		access = access[:0]
 		for _, l := range s.logLines(t) {
 			if name, _ := l["logger"].(string); !strings.HasPrefix(name, "http.log.access") {

@@ -2,16 +2,14 @@ package idempotency
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
 	"net"
 	"net/http"
-	"syscall"
 	"testing"
 	"time"
 
-	"github.com/caddy-idempotency/idempotency/store"
-	"github.com/jackc/pgx/v5"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 )
 
 // A database restarted after being down for longer than lock_timeout: the
@@ -33,11 +31,11 @@ func TestRestartLongerThanLease(t *testing.T) {
 
 func testRestartLongerThanLease(t *testing.T, crash bool) {
 	const lock = 2 * time.Second
-	pg, _ := startPGPrimary(t, "''")
+	pg, _ := pgtest.StartPrimaryAlone(t, "''")
 	dsn := pg.PrimaryDSN()
-	var fw *tcpForwarder
+	var fw *pgtest.Forwarder
 	if crash {
-		fw = newTCPForwarder(t, fmt.Sprintf("127.0.0.1:%d", pg.PrimaryPort))
+		fw = pgtest.NewForwarder(t, fmt.Sprintf("127.0.0.1:%d", pg.PrimaryPort))
 		_, port, _ := net.SplitHostPort(fw.Addr())
 		dsn = "postgres://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable"
 	}
@@ -79,7 +77,7 @@ func testRestartLongerThanLease(t *testing.T, crash bool) {
 	down := time.Now()
 	if crash {
 		fw.Cut()
-		crashBackend(t, pg.PrimaryDSN())
+		pgtest.CrashBackend(t, pg.PrimaryDSN())
 	} else {
 		pg.KillPrimary(t)
 	}
@@ -158,125 +156,11 @@ func testRestartLongerThanLease(t *testing.T, crash bool) {
 // means a lease that ran out while the server was up.
 func primaryLongUp(t testing.TB, dsn, table string) {
 	t.Helper()
-	tn, err := parseTableName(table)
+	tn, err := postgres.ParseTable(table)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgExec(t, dsn, `INSERT INTO `+tn.primariesTable()+` (system_identifier, timeline, started, first_seen)
-	SELECT `+thisPrimarySQL+`, `+serverStartSQL+`, '-infinity'
-	ON CONFLICT (system_identifier, timeline) DO UPDATE SET started = excluded.started, first_seen = excluded.first_seen`)
-}
-
-// crashBackend kills one backend of the server at dsn with SIGKILL, as the
-// OOM killer would, and returns once the server, restarted by its
-// postmaster after crash recovery, accepts connections again.
-func crashBackend(t testing.TB, dsn string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	const started = "SELECT " + serverStartSQL
-	var pid int
-	var before time.Time
-	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid(), "+serverStartSQL).Scan(&pid, &before); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	_ = conn.Close(ctx)
-	for {
-		var after time.Time
-		c, err := pgx.Connect(ctx, dsn)
-		if err == nil {
-			err = c.QueryRow(ctx, started).Scan(&after)
-			_ = c.Close(ctx)
-		}
-		switch {
-		case err == nil && after.After(before):
-			return
-		case ctx.Err() != nil:
-			t.Fatalf("the server did not come back from its crash (its start %v, then %v): %v", before, after, err)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
-// acquireOn runs the store's acquire of table for one new key on conn,
-// as a store whose pool holds conn would, and returns its outcome.
-func acquireOn(t *testing.T, conn *pgx.Conn, table string) store.Outcome {
-	t.Helper()
-	tn, err := parseTableName(table)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hash := sha256.Sum256([]byte("tenant"))
-	token := newLockToken()
-	fp := sha256.Sum256([]byte("body"))
-	var n int64
-	var outcome int32
-	err = conn.QueryRow(context.Background(), newPostgresSQL(tn).acquire.one,
-		hash[:], newKey(), fp[:], http.MethodPost, "/", token[:], int64(time.Hour/time.Microsecond), int64(time.Minute/time.Microsecond),
-	).Scan(&n, &outcome, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil)
-	if err != nil {
-		t.Fatalf("acquire: %v", err)
-	}
-	return store.Outcome(outcome)
-}
-
-// The timeline is read by every statement: a standby's connection that
-// outlives its promotion (as a pooler's do, and a standby's sessions are
-// not ended by a promotion) notes the new primary at its next acquire,
-// and judges leases from then (migration 0004).
-func TestPrimaryNotedOnAConnectionThatOutlivesPromotion(t *testing.T) {
-	pair := startPGPair(t, true, 0)
-	ctx := context.Background()
-	const table = "idempotency_keys"
-	primary, err := pgx.Connect(ctx, pair.PrimaryDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer primary.Close(ctx)
-	if _, err := Migrate(ctx, primary, table); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, 10*time.Second, "the standby to replay the migrations", func() bool {
-		return pgQuery(t, pair.StandbyDSN(), "SELECT to_regclass('idempotency_keys_primaries') IS NOT NULL")[0][0] == "true"
-	})
-	conn, err := pgx.Connect(ctx, pair.StandbyDSN())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	var sysid int64
-	var timeline *int32
-	if err := conn.QueryRow(ctx, "SELECT "+thisPrimarySQL).Scan(&sysid, &timeline); err != nil {
-		t.Fatal(err)
-	}
-	if timeline != nil {
-		t.Fatalf("on the standby: timeline %v, want none", *timeline)
-	}
-
-	promoted := time.Now()
-	pair.Promote(t)
-	if got := acquireOn(t, conn, table); got != store.OutcomeCreated {
-		t.Fatalf("acquire on the promoted server: outcome %d, want created", got)
-	}
-	rows := pgQuery(t, pair.StandbyDSN(), `SELECT p.system_identifier = (SELECT system_identifier FROM pg_control_system()),
-		p.timeline = ('x' || left(pg_walfile_name(pg_current_wal_lsn()), 8))::bit(32)::int AND p.timeline > 1, p.first_seen >= $1
-		FROM idempotency_keys_primaries AS p`, promoted)
-	if len(rows) != 1 || rows[0][0] != "true" || rows[0][1] != "true" || rows[0][2] != "true" {
-		t.Fatalf("the primaries table after an acquire on the promoted server, on a connection opened before: %v; "+
-			"want one row, the server's system identifier and its new timeline, first seen after the promotion", rows)
-	}
-	tn, _ := parseTableName(table)
-	var sinceOK bool
-	if err := conn.QueryRow(ctx, "SELECT "+primarySinceSQL(tn)+" = (SELECT first_seen FROM idempotency_keys_primaries)").Scan(&sinceOK); err != nil || !sinceOK {
-		t.Fatalf("the promoted server's primary_since on that connection is not its row's first_seen (%v)", err)
-	}
+	pgtest.Exec(t, dsn, postgres.PrimaryLongUpSQL(tn))
 }
 
 // A partition between Caddy and a database that stays up, longer than
@@ -310,11 +194,11 @@ func TestPartitionLongerThanLeaseRetriedHere(t *testing.T) {
 // (afterCut), or at once during it.
 func testPartitionRetried(t *testing.T, lock, upstream time.Duration, afterCut bool) {
 	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	up := newUpstream(t)
 	s := protectedSite(t, storeBackend{Name: ""}, up.Addr(), fmt.Sprintf(
 		"store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}\n\t\tlock_timeout %s\n\t\tretry_after 1s\n\t\tprune_interval 0",
-		throughForwarder(t, sb.DSN, fwd), sb.Table, lock))
+		pgtest.ThroughForwarder(t, sb.DSN, fwd), sb.Table, lock))
 	c := call{Key: newKey(), Body: payBody(), Header: sleepFor(upstream)}
 	owner := runBackground(t, s, c)
 	up.WaitStarted(t, 1)

@@ -7,6 +7,9 @@ import (
 	"regexp"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 )
 
 // The CLI's release and the admin API's are one: both refuse a record
@@ -53,12 +56,12 @@ func TestCLIAndAdminAPIReleaseAgree(t *testing.T) {
 	// Dated back past its lease on a server that has been the primary only
 	// since the test began: the outage rule keeps it live, and both say
 	// until when, not the locked_until that has passed.
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
-	tn, err := parseTableName(sb.Table)
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
+	tn, err := postgres.ParseTable(sb.Table)
 	if err != nil {
 		t.Fatal(err)
 	}
-	pgExec(t, sb.DSN, `UPDATE `+tn.primariesTable()+` SET first_seen = now()`)
+	pgtest.Exec(t, sb.DSN, `UPDATE `+tn.PrimariesTable()+` SET first_seen = now()`)
 	recs = admin.records(url.Values{"store": {name}, "key": {k}}, nil)
 	if r := recs.Records; len(r) != 1 || r[0].LeaseEnded || r[0].LeaseEnds == nil || time.Until(*r[0].LeaseEnds) < 20*time.Second {
 		t.Fatalf("the record whose locked_until passed before the server was up for its lease, by the admin API: %+v; want its lease live about 30s more", recs)
@@ -69,7 +72,7 @@ func TestCLIAndAdminAPIReleaseAgree(t *testing.T) {
 
 	// Its owner is gone (the lease ended, unrenewed): both see it so,
 	// and the CLI releases it.
-	pgExec(t, sb.DSN, `UPDATE `+quoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
+	pgtest.Exec(t, sb.DSN, `UPDATE `+pgtest.QuoteIdent(sb.Table)+` SET locked_at = now() - interval '40 seconds', locked_until = now() - interval '10 seconds' WHERE key = $1`, k)
 	primaryLongUp(t, sb.DSN, sb.Table)
 	recs = admin.records(url.Values{"store": {name}, "key": {k}}, nil)
 	if len(recs.Records) != 1 || !recs.Records[0].LeaseEnded {

@@ -29,7 +29,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 )
 
 // patroniTimings are the DCS settings of a run.
@@ -95,7 +97,7 @@ func (c *patroniCluster) DSN() string {
 		c.pgPorts[0], c.pgPorts[1])
 }
 
-func (c *patroniCluster) nodeDSN(i int) string { return pgPortDSN(c.pgPorts[i]) }
+func (c *patroniCluster) nodeDSN(i int) string { return pgtest.PortDSN(c.pgPorts[i]) }
 
 // startPatroni starts etcd and both nodes, and returns once one node leads
 // and the other is its synchronous standby, streaming. It fails, saying
@@ -107,7 +109,7 @@ func startPatroni(t *testing.T, timing patroniTimings) *patroniCluster {
 			t.Fatalf("%s not found: install Debian's patroni and etcd-server (apt-get install patroni etcd-server) to run the Patroni scenarios", bin)
 		}
 	}
-	_, pgCtl, err := findPostgresBinaries()
+	_, pgCtl, err := pgtest.FindBinaries()
 	if err != nil {
 		t.Fatalf("%v: install PostgreSQL's server binaries", err)
 	}
@@ -120,7 +122,7 @@ func startPatroni(t *testing.T, timing patroniTimings) *patroniCluster {
 		t.Fatal(err)
 	}
 	c := &patroniCluster{dir: dir, timing: timing}
-	if u := serverOwned(t, dir); u != nil {
+	if u := pgtest.ServerOwned(t, dir); u != nil {
 		c.asUser = []string{"runuser", "-u", u.Username, "--"}
 	}
 	ports := make([]int, 6)
@@ -128,7 +130,7 @@ func startPatroni(t *testing.T, timing patroniTimings) *patroniCluster {
 		ports[i] = freeTCPPort(t)
 	}
 	c.etcdPort, c.pgPorts, c.restPorts = ports[0], [2]int{ports[2], ports[3]}, [2]int{ports[4], ports[5]}
-	scope := "idem-" + randomHex(4)
+	scope := "idem-" + pgtest.RandomHex(4)
 
 	etcd := c.command(t, "etcd.log", "etcd", "--name", "e1", "--data-dir", filepath.Join(dir, "etcd"),
 		"--listen-client-urls", fmt.Sprintf("http://127.0.0.1:%d", c.etcdPort),
@@ -213,10 +215,10 @@ postgresql:
 		}
 		c.startNode(t, i)
 		if i == 0 {
-			waitFor(t, 60*time.Second, "node0 to lead", func() bool { return c.leader() == 0 })
+			storetest.WaitFor(t, 60*time.Second, "node0 to lead", func() bool { return c.leader() == 0 })
 		}
 	}
-	waitFor(t, 120*time.Second, "a leader and its synchronous standby, streaming", func() bool {
+	storetest.WaitFor(t, 120*time.Second, "a leader and its synchronous standby, streaming", func() bool {
 		m := c.members()
 		return len(m) == 2 && c.leader() >= 0 && c.syncStandby() >= 0
 	})
@@ -395,7 +397,7 @@ func runPatroniScenario(t *testing.T, c *patroniCluster, name string, crash bool
 		stop        atomic.Bool
 		mu          sync.Mutex
 		wg          sync.WaitGroup
-		seq         = randomHex(3)
+		seq         = pgtest.RandomHex(3)
 		ctx, cancel = context.WithTimeout(context.Background(), 10*time.Minute)
 		slow        []*failoverKey
 	)
@@ -439,7 +441,7 @@ func runPatroniScenario(t *testing.T, c *patroniCluster, name string, crash bool
 	} else {
 		c.switchover(t, leader, standby)
 	}
-	waitFor(t, 3*time.Minute, "the standby to lead", func() bool { return c.leader() == standby })
+	storetest.WaitFor(t, 3*time.Minute, "the standby to lead", func() bool { return c.leader() == standby })
 	r.promoted = time.Now()
 	// Load until some 2xx after the new leader, then a few seconds more.
 	time.Sleep(5 * time.Second)
@@ -462,7 +464,7 @@ func runPatroniScenario(t *testing.T, c *patroniCluster, name string, crash bool
 	close(keys)
 	wg.Wait()
 	table := make(map[string]string)
-	for _, row := range pgQuery(t, c.nodeDSN(standby), "SELECT key, status FROM idempotency_keys") {
+	for _, row := range pgtest.Query(t, c.nodeDSN(standby), "SELECT key, status FROM idempotency_keys") {
 		table[row[0]] = row[1]
 	}
 

@@ -22,6 +22,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -58,7 +61,7 @@ func startPgBouncer(t testing.TB, serverConns int) *pgBouncer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	upstream, err := pgconn.ParseConfig(testDSN(t))
+	upstream, err := pgconn.ParseConfig(pgtest.DSN(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +105,7 @@ pidfile = %[5]s/pgbouncer.pid
 	}
 	b.cmd = exec.Command(bin, filepath.Join(dir, "pgbouncer.ini"))
 	b.cmd.Dir = dir
-	if u := serverOwned(t, dir); u != nil {
+	if u := pgtest.ServerOwned(t, dir); u != nil {
 		uid, _ := strconv.Atoi(u.Uid)
 		gid, _ := strconv.Atoi(u.Gid)
 		b.cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
@@ -141,7 +144,7 @@ pidfile = %[5]s/pgbouncer.pid
 			t.Fatalf("pgbouncer exited at start:\n%s", log)
 		default:
 		}
-		if err = pingPostgres(b.DSN("simple_protocol")); err == nil {
+		if err = pgtest.Ping(b.DSN("simple_protocol")); err == nil {
 			return b
 		}
 		if time.Now().After(deadline) {
@@ -187,8 +190,8 @@ func (b *pgBouncer) DSN(mode string) string {
 // prunes and inspects.
 func TestPostgresBehindTransactionPooler(t *testing.T) {
 	bouncer := startPgBouncer(t, 6)
-	direct := testDSN(t)
-	table := freshTable(t)
+	direct := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
 	up := newUpstream(t)
 
 	siteBlock := func(port int, mode string) string {
@@ -233,7 +236,7 @@ func TestPostgresBehindTransactionPooler(t *testing.T) {
 		keys := make([]*key, n)
 		var wg sync.WaitGroup
 		for i := range keys {
-			k := &key{c: call{Key: fmt.Sprintf("%s-%d-%s", round, i, randomHex(4)), Body: payBody()}}
+			k := &key{c: call{Key: fmt.Sprintf("%s-%d-%s", round, i, pgtest.RandomHex(4)), Body: payBody()}}
 			keys[i] = k
 			for c := range clients {
 				wg.Add(1)
@@ -297,23 +300,23 @@ func TestPostgresBehindTransactionPooler(t *testing.T) {
 	// must prune the expired rows the round adds. A lock left held on a
 	// server connection by either instance stops every later round.
 	expire := func(n int) {
-		pgExec(t, direct, `INSERT INTO `+quoteIdent(table)+` (credential_hash, key, fingerprint, method, path,
+		pgtest.Exec(t, direct, `INSERT INTO `+pgtest.QuoteIdent(table)+` (credential_hash, key, fingerprint, method, path,
 			status, created_at, expires_at, response_status, response_headers, response_body, replayable, response_size)
 			SELECT $1, 'expired-' || g || '-' || $2, $1, 'POST', '/pay', 'completed', now() - interval '2 days',
 				now() - interval '1 hour', 201, '{}', '', true, 0
-			FROM generate_series(1, $3::int) g`, make([]byte, 32), randomHex(4), n)
+			FROM generate_series(1, $3::int) g`, make([]byte, 32), pgtest.RandomHex(4), n)
 	}
 	expired := func() int {
-		n, _ := strconv.Atoi(pgQuery(t, direct, `SELECT count(*) FROM `+quoteIdent(table)+` WHERE expires_at < now()`)[0][0])
+		n, _ := strconv.Atoi(pgtest.Query(t, direct, `SELECT count(*) FROM `+pgtest.QuoteIdent(table)+` WHERE expires_at < now()`)[0][0])
 		return n
 	}
-	tn, _ := parseTableName(table)
+	tn, _ := postgres.ParseTable(table)
 	pruneLockFree := func() bool {
-		ctx, conn, done := pgOpen(t, direct)
+		ctx, conn, done := pgtest.Open(t, direct)
 		defer done()
 		var free bool
 		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-			return tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", tn.pruneLockKey()).Scan(&free)
+			return tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", tn.PruneLockKey()).Scan(&free)
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -337,11 +340,11 @@ func TestPostgresBehindTransactionPooler(t *testing.T) {
 		}
 		before := procs[running].logMessages(t)["idempotency.prune"]
 		expire(50)
-		waitFor(t, 10*time.Second, fmt.Sprintf("round %d: %s to prune", round, procs[running].Name), func() bool { return expired() == 0 })
+		storetest.WaitFor(t, 10*time.Second, fmt.Sprintf("round %d: %s to prune", round, procs[running].Name), func() bool { return expired() == 0 })
 		if err := procs[paused].cmd.Process.Signal(syscall.SIGCONT); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 5*time.Second, "the prune log line", func() bool {
+		storetest.WaitFor(t, 5*time.Second, "the prune log line", func() bool {
 			return procs[running].logMessages(t)["idempotency.prune"] > before
 		})
 		pruned[running]++
@@ -349,7 +352,7 @@ func TestPostgresBehindTransactionPooler(t *testing.T) {
 		// another server connection than it was taken on) is held by a
 		// pooled server connection, idle: whichever of the instances'
 		// statements lands there can take it again, the others cannot.
-		waitFor(t, 5*time.Second, fmt.Sprintf("round %d: the prune lock to be free", round), pruneLockFree)
+		storetest.WaitFor(t, 5*time.Second, fmt.Sprintf("round %d: the prune lock to be free", round), pruneLockFree)
 	}
 	for i, p := range procs {
 		if n := p.logMessages(t)["idempotency.store_error"]; n > 0 {
@@ -434,7 +437,7 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 // that fixes it. Two sites share the store's pool here.
 func TestPooledDSNInDefaultModeIsNamed(t *testing.T) {
 	bouncer := startPgBouncer(t, 2)
-	table := freshTable(t)
+	table := pgtest.FreshTable(t)
 	up := newUpstream(t)
 	ports := [2]int{freeTCPPort(t), freeTCPPort(t)}
 	var sites string
@@ -477,7 +480,7 @@ func TestPooledDSNInDefaultModeIsNamed(t *testing.T) {
 	}
 	// The stores start (their own statements may meet the same errors,
 	// and are retried), so that the requests' statements meet them too.
-	waitFor(t, 30*time.Second, "a request to execute through the pooler", func() bool {
+	storetest.WaitFor(t, 30*time.Second, "a request to execute through the pooler", func() bool {
 		r, err := clients[0].DoCtx(context.Background(), call{Key: newKey(), Body: payBody()})
 		return err == nil && r.Status == http.StatusCreated
 	})

@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 )
 
 // Django, Flask and Laravel upper-case the method and run `post` as
@@ -151,9 +153,9 @@ func TestLimitsAreInclusive(t *testing.T) {
 			name string
 			c    call
 		}{
-			{"key of 8 bytes", call{Key: "k" + randomHex(3) + "z", Body: payBody()}},
-			{"key of 255 bytes", call{Key: randomHex(4) + strings.Repeat("k", 247), Body: payBody()}},
-			{"key with spaces and punctuation", call{Key: "pay ~!@#$%^&*()_+ " + randomHex(4), Body: payBody()}},
+			{"key of 8 bytes", call{Key: "k" + pgtest.RandomHex(3) + "z", Body: payBody()}},
+			{"key of 255 bytes", call{Key: pgtest.RandomHex(4) + strings.Repeat("k", 247), Body: payBody()}},
+			{"key with spaces and punctuation", call{Key: "pay ~!@#$%^&*()_+ " + pgtest.RandomHex(4), Body: payBody()}},
 			{"body of exactly max_request_body", call{Key: newKey(), Body: exact, ContentType: "text/plain"}},
 			{"chunked body of exactly max_request_body", call{Key: newKey(), Body: exact, ContentType: "text/plain", Chunked: true}},
 		} {

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -217,7 +218,7 @@ func TestUndialableUpstreamReleasesKey(t *testing.T) {
 		if sb.Name == "postgres" {
 			if n := pgCount(t, sb); n != 0 {
 				t.Errorf("%d rows remain after released attempts, want 0: %v", n,
-					pgQuery(t, sb.DSN, "SELECT t::text FROM "+quoteIdent(sb.Table)+" t"))
+					pgtest.Query(t, sb.DSN, "SELECT t::text FROM "+pgtest.QuoteIdent(sb.Table)+" t"))
 			}
 		}
 	})

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -83,14 +85,14 @@ func TestPostgresSurvivesReload(t *testing.T) {
 // record in the old table; its retry, after the reload, finds nothing in
 // the new table and executes again (README, "Credential secret").
 func TestReloadToAnotherTableInFlight(t *testing.T) {
-	dsn := testDSN(t)
-	before, after := freshTable(t), freshTable(t)
+	dsn := pgtest.DSN(t)
+	before, after := pgtest.FreshTable(t), pgtest.FreshTable(t)
 	up := newUpstream(t)
 	block := func(table string) string {
 		return fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", dsn, table)
 	}
 	s := protectedSite(t, storeBackend{Name: "postgres", DSN: dsn, Table: before}, up.Addr())
-	gate := "g-" + randomHex(4)
+	gate := "g-" + pgtest.RandomHex(4)
 	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
 	done := make(chan struct{})
 	go func() {
@@ -103,10 +105,46 @@ func TestReloadToAnotherTableInFlight(t *testing.T) {
 	up.Open(gate)
 	<-done
 	up.WaitEnded(t, 1)
-	waitFor(t, 5*time.Second, "the completion in the old table", func() bool {
-		rows := pgQuery(t, dsn, `SELECT count(*) FROM `+quoteIdent(before)+` WHERE key = $1 AND status = 'completed'`, c.Key)
+	storetest.WaitFor(t, 5*time.Second, "the completion in the old table", func() bool {
+		rows := pgtest.Query(t, dsn, `SELECT count(*) FROM `+pgtest.QuoteIdent(before)+` WHERE key = $1 AND status = 'completed'`, c.Key)
 		return rows[0][0] == "1"
 	})
 	wantExecuted(t, s.Do(t, c), http.StatusCreated)
 	wantCount(t, up, 2)
+}
+
+// A reload that changes the memory store's max_entries keeps its
+// records: a completed key replays. Catches records pooled by
+// max_entries (the reload started an empty store, and the key executed
+// again).
+func TestMemoryReloadWithOtherMaxEntriesKeepsRecords(t *testing.T) {
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	logPath := t.TempDir() + "/caddy.log"
+	cfg := func(maxEntries int) []byte {
+		js, _, err := adaptCaddyfile(globalOptions(logPath, "") + fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		store memory {
+			max_entries %d
+		}
+	}
+	reverse_proxy %s
+}
+`, port, maxEntries, up.Addr()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return js
+	}
+	srv := startCaddyJSON(t, cfg(1000), logPath)
+	s := newSiteClient(t, srv, port)
+	c := call{Key: newKey(), Body: payBody()}
+	first := s.Do(t, c)
+	wantExecuted(t, first, 201)
+	if err := caddy.Load(cfg(2000), true); err != nil { // caddyMu is held by this test
+		t.Fatalf("reload: %v", err)
+	}
+	s.reloaded(t)
+	wantReplayOf(t, s.Do(t, c), first)
+	wantCount(t, up, 1)
 }

@@ -2,23 +2,16 @@ package idempotency
 
 import (
 	"context"
-	"crypto/rand"
 	"errors"
 	"net/http"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/errlog"
 	"github.com/caddy-idempotency/idempotency/store"
 	"go.uber.org/zap"
 )
-
-// newLockToken returns a random token.
-func newLockToken() store.LockToken {
-	var t store.LockToken
-	_, _ = rand.Read(t[:]) // crypto/rand.Read never returns an error
-	return t
-}
 
 // renewLocks renews locks through store, in one round trip when it can.
 func renewLocks(ctx context.Context, st store.Store, locks []store.HeldLock) []error {
@@ -251,7 +244,7 @@ func (r *lockKeeper) renew(due []*keptLock) {
 	for i, l := range due {
 		locks[i] = l.lock
 	}
-	ctx, cancel := r.h.storeCall(context.Background(), storeTimeout)
+	ctx, cancel := r.h.storeCall(context.Background(), store.CallTimeout)
 	dated := time.Now() // the locks renewed, as the store dates them
 	errs := renewLocks(ctx, r.h.store, locks)
 	cancel()
@@ -280,8 +273,8 @@ func (r *lockKeeper) renew(due []*keptLock) {
 		default:
 			// Not dated anew: the next tick that finds it due tries
 			// again.
-			if ok, suppressed := r.h.storeLog.allow(opRenew); ok {
-				r.h.logger.Error("idempotency.store_error", storeErrorFields(opRenew, err, suppressed,
+			if ok, suppressed := r.h.storeLog.allow(store.OpRenew); ok {
+				r.h.logger.Error("idempotency.store_error", errlog.Fields(store.OpRenew, err, suppressed,
 					zap.String("key", l.key), zap.String("credential_id", l.credID))...)
 			}
 		}

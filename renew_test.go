@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -20,9 +21,9 @@ import (
 // statements here, and a tick that renews nothing: each request's lock
 // would go stale, and its record be taken over, before it completes.
 func TestRenewalsShareOneStatementPerTick(t *testing.T) {
-	dsn := testDSN(t)
-	table := freshTable(t)
-	statementCounter.watch(t, table)
+	dsn := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
+	statementCounter.Watch(t, table)
 	up := newUpstream(t)
 	port := freeTCPPort(t)
 	s := siteFromCaddyfile(t, port, fmt.Sprintf(`http://127.0.0.1:%d {
@@ -64,7 +65,7 @@ func TestRenewalsShareOneStatementPerTick(t *testing.T) {
 			t.Errorf("%s executed %d times", k, executed[k])
 		}
 	}
-	statements, _ := statementCounter.take(table)
+	statements, _ := statementCounter.Take(table)
 	renewals := 0
 	for _, st := range statements {
 		if st == "renew" {

@@ -1,6 +1,6 @@
 package idempotency
 
-// Reading request bodies (contract step 3) under a budget: a protected
+// Reading request bodies (step 3 of docs/how-it-works.md) under a budget: a protected
 // request holds its whole body in memory from its first byte until it
 // is done, so the sum over the requests in flight is bounded, not only
 // each one.
@@ -244,7 +244,7 @@ func (h *Handler) validateBodyBudget() error {
 // restoreBody hands the request body on to the next handler after
 // readBody consumed it. When readBody stopped early (bodyErr is set),
 // body is the part it read, and the rest still waits in the original
-// body. The key headers are re-filed as ServeHTTP does before executing.
+// body.
 func restoreBody(r *http.Request, body []byte, bodyErr *problem) {
 	if bodyErr != nil {
 		r.Body = struct {
@@ -256,5 +256,4 @@ func restoreBody(r *http.Request, body []byte, bodyErr *problem) {
 		r.ContentLength = int64(len(body))
 		r.TransferEncoding = nil
 	}
-	hideKeyFromTransport(r.Header)
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -173,7 +174,7 @@ func TestRequestBodyBudget(t *testing.T) {
 	for range slow {
 		uploads = append(uploads, startSlowUpload(t, s, newKey(), size, sent))
 	}
-	waitFor(t, 10*time.Second, "the slow uploads to reserve what they sent", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "the slow uploads to reserve what they sent", func() bool {
 		return b.used.Load() == slow*3*chunk
 	})
 	// The gauge is the process's, every budget's: what other budgets
@@ -188,7 +189,7 @@ func TestRequestBodyBudget(t *testing.T) {
 		})
 		return n
 	}
-	waitFor(t, 10*time.Second, "the buffered bytes metric to show what the slow uploads hold", func() bool {
+	storetest.WaitFor(t, 10*time.Second, "the buffered bytes metric to show what the slow uploads hold", func() bool {
 		return metric("caddy_idempotency_request_body_buffered_bytes") == float64(othersHold()+slow*3*chunk)
 	})
 
@@ -207,13 +208,13 @@ func TestRequestBodyBudget(t *testing.T) {
 	for _, u := range uploads {
 		wantExecuted(t, u.finish(t), http.StatusCreated)
 	}
-	waitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
+	storetest.WaitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
 	wantExecuted(t, s.Do(t, big), http.StatusCreated)
 	if e := up.Executions(); !bytes.Equal(e[len(e)-1].Body, big.Body) {
 		t.Errorf("the upstream got %d bytes, want the %d sent", len(e[len(e)-1].Body), len(big.Body))
 	}
 	wantCount(t, up, slow+2)
-	waitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
+	storetest.WaitFor(t, 10*time.Second, "the budget to be released", func() bool { return b.used.Load() == 0 })
 }
 
 // Bodies read in chunks reach the upstream byte for byte, and hold the

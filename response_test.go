@@ -14,6 +14,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 )
 
 // handlerUpstream is an upstream that answers with fn.
@@ -475,7 +477,7 @@ func TestStreamingPassesThrough(t *testing.T) {
 	eachStore(t, func(t *testing.T, sb storeBackend) {
 		up := newUpstream(t)
 		s := protectedSite(t, sb, up.Addr())
-		gate := "g-" + randomHex(4)
+		gate := "g-" + pgtest.RandomHex(4)
 		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Gate": gate}}
 		req, err := s.request(context.Background(), c)
 		if err != nil {

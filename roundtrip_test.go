@@ -6,117 +6,31 @@ package idempotency
 // replay cache none.
 
 import (
-	"context"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 )
 
 func init() {
 	// Before any pool is opened: every pool of the test binary is
 	// traced, and statementCounter only counts the tables it watches.
-	testQueryTracer = statementCounter
+	postgres.QueryTracer = statementCounter
 }
 
-var statementCounter = &tableTracer{watched: make(map[string]*tableStatements)}
-
-// tableTracer counts the statements and preparations that name a watched
-// table.
-type tableTracer struct {
-	mu      sync.Mutex
-	watched map[string]*tableStatements
-}
-
-type tableStatements struct {
-	sql        postgresSQL
-	statements []string // labels, in order
-	prepares   int
-}
-
-// watch starts counting the statements on table.
-func (tr *tableTracer) watch(t *testing.T, table string) {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	tr.watched[table] = &tableStatements{sql: newPostgresSQL(tableName{name: table})}
-	t.Cleanup(func() {
-		tr.mu.Lock()
-		defer tr.mu.Unlock()
-		delete(tr.watched, table)
-	})
-}
-
-// take returns and resets the statements and preparations seen on table.
-func (tr *tableTracer) take(table string) (statements []string, prepares int) {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	ts := tr.watched[table]
-	statements, prepares = ts.statements, ts.prepares
-	ts.statements, ts.prepares = nil, 0
-	return statements, prepares
-}
-
-func (tr *tableTracer) count(table string) int {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	return len(tr.watched[table].statements)
-}
-
-func (tr *tableTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	for table, ts := range tr.watched {
-		if strings.Contains(data.SQL, table) {
-			ts.statements = append(ts.statements, ts.label(data.SQL))
-		}
-	}
-	return ctx
-}
-
-func (tr *tableTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-func (tr *tableTracer) TracePrepareStart(ctx context.Context, _ *pgx.Conn, data pgx.TracePrepareStartData) context.Context {
-	tr.mu.Lock()
-	defer tr.mu.Unlock()
-	for table, ts := range tr.watched {
-		if strings.Contains(data.SQL, table) {
-			ts.prepares++
-		}
-	}
-	return ctx
-}
-
-func (tr *tableTracer) TracePrepareEnd(context.Context, *pgx.Conn, pgx.TracePrepareEndData) {}
-
-func (ts *tableStatements) label(sql string) string {
-	switch sql {
-	case ts.sql.acquire.batch, ts.sql.acquire.one:
-		return "acquire"
-	case ts.sql.complete.batch, ts.sql.complete.one:
-		return "complete"
-	case ts.sql.release.batch, ts.sql.release.one:
-		return "release"
-	case ts.sql.renew.batch, ts.sql.renew.one:
-		return "renew"
-	case ts.sql.lookup:
-		return "lookup"
-	}
-	first, _, _ := strings.Cut(strings.TrimSpace(sql), "\n")
-	return "other: " + first
-}
-
-var (
-	_ pgx.QueryTracer   = (*tableTracer)(nil)
-	_ pgx.PrepareTracer = (*tableTracer)(nil)
-)
+var statementCounter = &pgtest.StatementCounter{Name: func(table, sql string) string {
+	tn, _ := postgres.ParseTable(table)
+	return postgres.StatementName(tn, sql)
+}}
 
 func TestStoreRoundTrips(t *testing.T) {
-	dsn := testDSN(t)
-	table := freshTable(t)
-	statementCounter.watch(t, table)
+	dsn := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
+	statementCounter.Watch(t, table)
 	up := newUpstream(t)
 
 	// wantStatements waits for the request's statements (Complete may
@@ -125,12 +39,12 @@ func TestStoreRoundTrips(t *testing.T) {
 	wantStatements := func(t *testing.T, what string, want ...string) {
 		t.Helper()
 		if len(want) > 0 {
-			waitFor(t, 15*time.Second, fmt.Sprintf("%d statements", len(want)), func() bool {
-				return statementCounter.count(table) >= len(want)
+			storetest.WaitFor(t, 15*time.Second, fmt.Sprintf("%d statements", len(want)), func() bool {
+				return statementCounter.Count(table) >= len(want)
 			})
 		}
 		time.Sleep(50 * time.Millisecond)
-		got, prepares := statementCounter.take(table)
+		got, prepares := statementCounter.Take(table)
 		if strings.Join(got, ",") != strings.Join(want, ",") {
 			t.Errorf("%s: statements %q, want %q", what, got, want)
 		}
@@ -158,11 +72,11 @@ func TestStoreRoundTrips(t *testing.T) {
 		// Warm the connection: its first statements are prepared.
 		warm := call{Key: newKey(), Body: payBody()}
 		wantExecuted(t, s.Do(t, warm), 201)
-		waitFor(t, 15*time.Second, "the warm-up's statements", func() bool {
-			return statementCounter.count(table) >= 2
+		storetest.WaitFor(t, 15*time.Second, "the warm-up's statements", func() bool {
+			return statementCounter.Count(table) >= 2
 		})
 		time.Sleep(50 * time.Millisecond)
-		statementCounter.take(table)
+		statementCounter.Take(table)
 		return s
 	}
 

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
 )
@@ -46,7 +47,7 @@ func TestGracefulStopStoresRequestsInFlight(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("instance a did not exit")
 	}
-	rows := pgQuery(t, sb.DSN, "SELECT status FROM "+pgx.Identifier{sb.Table}.Sanitize()+" WHERE key = $1", c.Key)
+	rows := pgtest.Query(t, sb.DSN, "SELECT status FROM "+pgx.Identifier{sb.Table}.Sanitize()+" WHERE key = $1", c.Key)
 	if len(rows) != 1 || rows[0][0] != string(store.StatusCompleted) {
 		t.Fatalf("after the stop, the record is %v, want completed", rows)
 	}

@@ -9,6 +9,12 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/migrations"
+	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 )
 
 // `caddy validate` provisions a config without running it: it neither
@@ -17,8 +23,8 @@ import (
 // provision.
 func TestValidateWritesNothing(t *testing.T) {
 	bin := buildCaddy(t)
-	dsn := testDSN(t)
-	table := freshTable(t)
+	dsn := pgtest.DSN(t)
+	table := pgtest.FreshTable(t)
 	unreachable := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/test?sslmode=disable&connect_timeout=2", freeTCPPort(t))
 	for _, dsn := range []string{unreachable, dsn} {
 		dir := t.TempDir()
@@ -45,9 +51,9 @@ http://127.0.0.1:%d {
 			t.Errorf("caddy validate with dsn %s: %v\n%s", dsn, err, out)
 		}
 	}
-	rows := pgQuery(t, dsn, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
-	to_regclass($3) IS NOT NULL AND EXISTS (SELECT FROM `+migrationsTable+` WHERE table_name = $4)`,
-		table, table+secretTableSuffix, migrationsTable, table)
+	rows := pgtest.Query(t, dsn, `SELECT to_regclass($1) IS NOT NULL, to_regclass($2) IS NOT NULL,
+	to_regclass($3) IS NOT NULL AND EXISTS (SELECT FROM `+postgres.MigrationsTable+` WHERE table_name = $4)`,
+		table, table+"_secret", postgres.MigrationsTable, table)
 	if got := strings.Join(rows[0], " "); got != "false false false" {
 		t.Errorf("after caddy validate: table, secret table, migrations recorded = %s; want none", got)
 	}
@@ -67,7 +73,7 @@ func TestStartsWithDatabaseDown(t *testing.T) {
 				// is still read, and created, at the store's start.
 				wantCLI(t, runCLI(t, []string{"IDEMPOTENCY_DSN=" + sb.DSN}, "migrate", "--table", sb.Table), exitOK)
 			}
-			fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+			fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 			fwd.Cut()
 			up := newUpstream(t)
 			port, other := freeTCPPort(t), freeTCPPort(t)
@@ -87,8 +93,8 @@ func TestStartsWithDatabaseDown(t *testing.T) {
 http://127.0.0.1:%d {
 	respond "other site" 200
 }
-`, port, throughForwarder(t, sb.DSN, fwd), sb.Table, migrate, up.Addr(), other), admin)
-			if took := time.Since(start); took > storeTimeout+time.Second {
+`, port, pgtest.ThroughForwarder(t, sb.DSN, fwd), sb.Table, migrate, up.Addr(), other), admin)
+			if took := time.Since(start); took > store.CallTimeout+time.Second {
 				t.Errorf("Caddy took %s to start", took)
 			}
 			s := newSiteClient(t, srv, port)
@@ -113,14 +119,14 @@ http://127.0.0.1:%d {
 
 			fwd.Restore()
 			var first reply
-			waitFor(t, 10*time.Second, "the store's start", func() bool {
+			storetest.WaitFor(t, 10*time.Second, "the store's start", func() bool {
 				first = s.Do(t, c)
 				return first.Status != http.StatusServiceUnavailable
 			})
 			wantExecuted(t, first, http.StatusCreated)
 			wantReplayOf(t, s.Do(t, c), first)
 			wantCount(t, up, 1)
-			rows := pgQuery(t, sb.DSN, `SELECT count(*) FROM `+quoteIdent(sb.Table+secretTableSuffix))
+			rows := pgtest.Query(t, sb.DSN, `SELECT count(*) FROM `+pgtest.QuoteIdent(sb.Table+"_secret"))
 			if rows[0][0] != "1" {
 				t.Errorf("%s secret rows, want 1", rows[0][0])
 			}
@@ -213,11 +219,11 @@ http://127.0.0.1:%[2]d {
 
 	t.Run("postgres down at start", func(t *testing.T) {
 		sb := postgresBackend(t)
-		fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+		fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 		fwd.Cut()
 		up := newUpstream(t)
 		port, other := freeTCPPort(t), freeTCPPort(t)
-		store := fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", throughForwarder(t, sb.DSN, fwd), sb.Table)
+		store := fmt.Sprintf("store postgres {\n\t\t\tdsn %q\n\t\t\ttable %s\n\t\t}", pgtest.ThroughForwarder(t, sb.DSN, fwd), sb.Table)
 		srv := startCaddyfile(t, sites(port, other, store, up.Addr()))
 		s, o := newSiteClient(t, srv, port), newSiteClient(t, srv, other)
 		c := call{Path: "/a", Key: newKey(), Body: payBody()}
@@ -226,11 +232,11 @@ http://127.0.0.1:%[2]d {
 			time.Sleep(200 * time.Millisecond)
 		}
 		fwd.Restore()
-		waitFor(t, 10*time.Second, "the store's start", func() bool {
+		storetest.WaitFor(t, 10*time.Second, "the store's start", func() bool {
 			return s.Do(t, c).Status != http.StatusServiceUnavailable
 		})
 		wantExecuted(t, s.Do(t, call{Path: "/b", Key: newKey(), Body: payBody(), Header: map[string]string{"X-Api-Key": "k-1234567"}}), http.StatusCreated)
-		waitFor(t, 10*time.Second, "the other site's store", func() bool {
+		storetest.WaitFor(t, 10*time.Second, "the other site's store", func() bool {
 			return o.Do(t, call{Key: newKey(), Body: payBody()}).Status == http.StatusCreated
 		})
 		if n := count(srv, msgPrefix("postgres store cannot start")); n != 1 {
@@ -248,7 +254,7 @@ http://127.0.0.1:%[2]d {
 				applied += l["count"].(float64)
 			}
 		}
-		files, _ := migrationFiles.ReadDir("migrations")
+		files, _ := migrations.Files.ReadDir(".")
 		if int(applied) != len(files) {
 			t.Errorf("migration lines count %v migrations, want %d", applied, len(files))
 		}
@@ -262,10 +268,10 @@ http://127.0.0.1:%[2]d {
 // nothing ever counted.
 func TestBootOutageCountsCredentialSecretLines(t *testing.T) {
 	sb := postgresBackend(t)
-	fwd := newTCPForwarder(t, postgresAddr(t, sb.DSN))
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, sb.DSN))
 	fwd.Cut()
 	up := newUpstream(t)
-	s := protectedSite(t, storeBackend{Name: "postgres", DSN: throughForwarder(t, sb.DSN, fwd), Table: sb.Table},
+	s := protectedSite(t, storeBackend{Name: "postgres", DSN: pgtest.ThroughForwarder(t, sb.DSN, fwd), Table: sb.Table},
 		up.Addr(), "retry_after 1s")
 	refused := 0
 	for start := time.Now(); time.Since(start) < 1500*time.Millisecond; {
@@ -277,7 +283,7 @@ func TestBootOutageCountsCredentialSecretLines(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	fwd.Restore()
-	waitFor(t, 15*time.Second, "the store's start", func() bool {
+	storetest.WaitFor(t, 15*time.Second, "the store's start", func() bool {
 		r := s.Do(t, call{Key: newKey(), Body: payBody()})
 		if r.Status == http.StatusServiceUnavailable {
 			refused++

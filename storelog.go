@@ -12,57 +12,24 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/caddy-idempotency/idempotency/internal/errlog"
+	"github.com/caddy-idempotency/idempotency/store"
 	"go.uber.org/zap"
 )
 
-// storeErrorInterval is the least time between two idempotency.store_error
-// lines of one operation of a handler.
-const storeErrorInterval = time.Second
-
 // opCredentialSecret names the failure to read the store's credential
-// secret, in the store_error lines; opListen, the LISTEN connection's.
-const (
-	opCredentialSecret = "credential_secret"
-	opListen           = "listen"
-)
+// secret, in the store_error lines.
+const opCredentialSecret = "credential_secret"
 
 // loggedOps are the operations whose store_error lines a handler limits,
 // each on its own.
-var loggedOps = [...]string{opAcquire, opComplete, opRelease, opRenew, opPrune, opCredentialSecret}
-
-// processStart is what the limiters' times count from: the monotonic
-// clock, which a change of the wall clock does not move.
-var processStart = time.Now()
-
-func sinceStart() time.Duration { return time.Since(processStart) }
-
-// lineLimiter lets a line through once per storeErrorInterval at most,
-// and counts the lines it leaves out. It costs a failure a load and an
-// add, and one failure an interval a compare-and-swap: the failures of an
-// outage never queue on a lock.
-type lineLimiter struct {
-	// next is when the next line may be written, as sinceStart tells
-	// time; suppressed counts the lines left out since the last one.
-	next, suppressed atomic.Int64
-}
-
-// allow reports whether a line may be written at now, and if so how many
-// were left out before it.
-func (l *lineLimiter) allow(now time.Duration) (ok bool, suppressed int64) {
-	next := l.next.Load()
-	if int64(now) >= next && l.next.CompareAndSwap(next, int64(now+storeErrorInterval)) {
-		return true, l.suppressed.Swap(0)
-	}
-	l.suppressed.Add(1)
-	return false, 0
-}
+var loggedOps = [...]string{store.OpAcquire, store.OpComplete, store.OpRelease, store.OpRenew, store.OpPrune, opCredentialSecret}
 
 // storeLog is a handler's account of its store's failures: the limiters
 // of its store_error lines, and the outage under way, if any. Per
@@ -71,9 +38,12 @@ func (l *lineLimiter) allow(now time.Duration) (ok bool, suppressed int64) {
 // same database has just done so.
 type storeLog struct {
 	h   *Handler
-	now func() time.Duration // sinceStart; a test's clock
+	now func() time.Duration // errlog.Now; a test's clock
 
-	ops [len(loggedOps)]lineLimiter
+	ops [len(loggedOps)]errlog.Limiter
+
+	// classifier reads the store's own errors, if it can (unanswered).
+	classifier store.Classifier
 
 	// epoch is even while the store answers, odd while it does not: the
 	// start and the end of each outage add one. A call notes the epoch
@@ -91,7 +61,7 @@ type storeLog struct {
 	since time.Duration
 }
 
-func newStoreLog(h *Handler) *storeLog { return &storeLog{h: h, now: sinceStart} }
+func newStoreLog(h *Handler) *storeLog { return &storeLog{h: h, now: errlog.Now} }
 
 // allow reports whether a store_error line of op may be written now, and
 // how many were left out before it. Every line of an unknown operation
@@ -102,7 +72,7 @@ func (l *storeLog) allow(op string) (ok bool, suppressed int64) {
 	}
 	for i := range loggedOps {
 		if loggedOps[i] == op {
-			return l.ops[i].allow(l.now())
+			return l.ops[i].Allow(l.now())
 		}
 	}
 	return true, 0
@@ -133,7 +103,7 @@ func (l *storeLog) observed(ctx context.Context, op string, epoch int64, err err
 	switch {
 	case err != nil && errors.Is(ctx.Err(), context.Canceled):
 	case errors.Is(err, context.Canceled) && ctx.Err() == nil:
-	case err == nil || !noAnswer(err):
+	case err == nil || !l.noAnswer(err):
 		if epoch&1 == 1 && l.epoch.CompareAndSwap(epoch, epoch+1) {
 			l.answered()
 		}
@@ -167,7 +137,7 @@ func (l *storeLog) unavailable(op string, err error) {
 func (l *storeLog) takeSuppressed() map[string]int64 {
 	var suppressed map[string]int64
 	for i := range l.ops {
-		if n := l.ops[i].suppressed.Swap(0); n > 0 {
+		if n := l.ops[i].TakeSuppressed(); n > 0 {
 			if suppressed == nil {
 				suppressed = make(map[string]int64)
 			}
@@ -202,36 +172,26 @@ func (l *storeLog) holding() {
 }
 
 // unanswered reports whether err says that the store did not answer: a
-// connection refused, lost or timed out, a server shutting down or
-// starting up, or a standby's read-only answer during a failover. The
+// connection refused, lost or timed out, or what the store reads as such
+// in its backend's errors (store.Classifier: a server shutting down or
+// starting up, a standby's read-only answer during a failover). The
 // store answering with an error of its own (a lost lock, a refused
 // value, a statement it rejects) is an answer.
-func unanswered(err error) bool {
+func (l *storeLog) unanswered(err error) bool {
 	if errors.Is(err, context.DeadlineExceeded) {
 		return true
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return sessionEnded(pgErr) || strings.HasPrefix(pgErr.Code, "57P0") || pgErr.Code == pgReadOnly
+	if l != nil && l.classifier != nil && l.classifier.Unanswered(err) {
+		return true
 	}
 	var netErr net.Error
-	return errors.As(err, &netErr) || connectionLost(err)
+	return errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // noAnswer reports whether err, the failure of a store call whose caller
 // had not given up, says that the store did not answer (observed): a
 // statement cancelled on the caller's behalf is one that its deadline
 // cut short.
-func noAnswer(err error) bool { return unanswered(err) || errors.Is(err, context.Canceled) }
-
-// storeErrorFields are the fields of a store_error line of op: the
-// operation, then fields (the request's), the error, and the number of
-// lines left out before this one, if any.
-func storeErrorFields(op string, err error, suppressed int64, fields ...zap.Field) []zap.Field {
-	f := make([]zap.Field, 0, len(fields)+3)
-	f = append(append(append(f, zap.String("operation", op)), fields...), zap.Error(err))
-	if suppressed > 0 {
-		f = append(f, zap.Int64("suppressed", suppressed))
-	}
-	return f
+func (l *storeLog) noAnswer(err error) bool {
+	return l.unanswered(err) || errors.Is(err, context.Canceled)
 }

@@ -12,7 +12,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/errlog"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
 	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -35,28 +39,28 @@ func (s *downStore) fail(op string) error {
 }
 
 func (s *downStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
-	if err := s.fail(opAcquire); err != nil {
+	if err := s.fail(store.OpAcquire); err != nil {
 		return store.AcquireResult{}, err
 	}
 	return s.Store.Acquire(ctx, req)
 }
 
 func (s *downStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
-	if err := s.fail(opComplete); err != nil {
+	if err := s.fail(store.OpComplete); err != nil {
 		return err
 	}
 	return s.Store.Complete(ctx, key, token, resp, retention)
 }
 
 func (s *downStore) Renew(ctx context.Context, key store.RecordKey, token store.LockToken) error {
-	if err := s.fail(opRenew); err != nil {
+	if err := s.fail(store.OpRenew); err != nil {
 		return err
 	}
 	return s.Store.Renew(ctx, key, token)
 }
 
 func (s *downStore) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
-	if err := s.fail(opRelease); err != nil {
+	if err := s.fail(store.OpRelease); err != nil {
 		return err
 	}
 	return s.Store.Release(ctx, key, token)
@@ -140,7 +144,7 @@ func TestStoreErrorLinesDuringOutage(t *testing.T) {
 	}
 	burst(200)
 	acquireLines := func() []observer.LoggedEntry {
-		return logs.FilterMessage("idempotency.store_error").FilterField(zap.String("operation", opAcquire)).All()
+		return logs.FilterMessage("idempotency.store_error").FilterField(zap.String("operation", store.OpAcquire)).All()
 	}
 	if n := len(acquireLines()); n != 1 {
 		t.Fatalf("%d acquire store_error lines for 200 failures within a second, want 1", n)
@@ -148,7 +152,7 @@ func TestStoreErrorLinesDuringOutage(t *testing.T) {
 	clock.advance(1500 * time.Millisecond)
 	burst(100)
 	close(answer) // the held requests' completions fail, and are retried
-	waitFor(t, 10*time.Second, "the held completions to fail", func() bool { return h.storeLog.held.Load() == inFlight })
+	storetest.WaitFor(t, 10*time.Second, "the held completions to fail", func() bool { return h.storeLog.held.Load() == inFlight })
 	clock.advance(1500 * time.Millisecond)
 	ds.down.Store(false)
 	for range inFlight {
@@ -191,45 +195,17 @@ func TestStoreErrorLinesDuringOutage(t *testing.T) {
 		t.Errorf("%d failed store calls during the outage, want at least the %d refused acquires and %d failed completions", f, refused, inFlight)
 	}
 	left, _ := rec["suppressed_store_errors"].(map[string]int64)
-	accounted += left[opAcquire]
+	accounted += left[store.OpAcquire]
 	if accounted != int64(refused) {
 		t.Errorf("acquire lines and the lines they say they left out account for %d failures, want the %d refused: %v, then %v",
 			accounted, refused, lines, rec)
 	}
-	for _, op := range []string{opComplete, opRenew} {
+	for _, op := range []string{store.OpComplete, store.OpRenew} {
 		// Completions are retried, not failed for good; renewals are
 		// limited like the rest, over the 3 s the clock moved.
 		if n := logs.FilterMessage("idempotency.store_error").FilterField(zap.String("operation", op)).Len(); n > 3 {
 			t.Errorf("%d %s store_error lines, want at most 3", n, op)
 		}
-	}
-}
-
-// A line per second at most, however the failures race, and the lines
-// left out are all counted: by the next line, or still pending.
-func TestLineLimiterCountsEveryFailure(t *testing.T) {
-	var l lineLimiter
-	var written, reported atomic.Int64
-	var wg sync.WaitGroup
-	now := time.Hour
-	for round := range 3 {
-		for range 8 {
-			wg.Go(func() {
-				for range 500 {
-					if ok, n := l.allow(now + time.Duration(round)*storeErrorInterval); ok {
-						written.Add(1)
-						reported.Add(n)
-					}
-				}
-			})
-		}
-		wg.Wait()
-	}
-	if written.Load() != 3 {
-		t.Errorf("%d lines written over 3 intervals, want 3", written.Load())
-	}
-	if got := written.Load() + reported.Load() + l.suppressed.Load(); got != 3*8*500 {
-		t.Errorf("written, reported left out and pending add up to %d, want %d", got, 3*8*500)
 	}
 }
 
@@ -252,18 +228,18 @@ func TestStoreLogCancelledStatementIsNoAnswer(t *testing.T) {
 	l, logs, _ := testStoreLog()
 	timedOut, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
 	defer cancel()
-	l.observed(timedOut, opComplete, l.begin(), fmt.Errorf("postgres store: complete: %w", context.DeadlineExceeded))
+	l.observed(timedOut, store.OpComplete, l.begin(), fmt.Errorf("postgres store: complete: %w", context.DeadlineExceeded))
 	// As sendOwned wraps the batch's error.
 	batchCancelled := fmt.Errorf("postgres store: complete: %w", context.Canceled)
-	l.observed(timedOut, opComplete, l.begin(), batchCancelled)
-	l.observed(context.Background(), opRenew, l.begin(), batchCancelled) // a store closing
+	l.observed(timedOut, store.OpComplete, l.begin(), batchCancelled)
+	l.observed(context.Background(), store.OpRenew, l.begin(), batchCancelled) // a store closing
 	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 0 {
 		t.Fatalf("%d store_recovered lines while no statement was answered", n)
 	}
 	if f := l.failed.Load(); f != 2 {
 		t.Errorf("%d failed calls counted, want the 2 that timed out", f)
 	}
-	l.observed(context.Background(), opComplete, l.begin(), nil)
+	l.observed(context.Background(), store.OpComplete, l.begin(), nil)
 	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 1 {
 		t.Errorf("%d store_recovered lines once the store answered, want 1", n)
 	}
@@ -273,10 +249,10 @@ func TestStoreLogCancelledStatementIsNoAnswer(t *testing.T) {
 // completions and renewals timing out against it, is one outage until it
 // answers again.
 func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
-	fwd := newTCPForwarder(t, postgresAddr(t, testDSN(t)))
-	ps := provisionTestStore(t, &PostgresStore{DSN: throughForwarder(t, testDSN(t), fwd), Table: freshTable(t), MaxConns: 8})
+	fwd := pgtest.NewForwarder(t, pgtest.Addr(t, pgtest.DSN(t)))
+	ps := provisionTestStore(t, &postgres.Store{DSN: pgtest.ThroughForwarder(t, pgtest.DSN(t), fwd), Table: pgtest.FreshTable(t), MaxConns: 8})
 	l, logs, _ := testStoreLog()
-	l.now = sinceStart
+	l.now = errlog.Now
 	m := newStoreMetrics("storelog-silent")
 	m.log = l
 	st := instrumentedStore{ps, m}
@@ -285,9 +261,9 @@ func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
 		defer cancel()
 		key := store.RecordKey{Key: fmt.Sprintf("silent-%d", i)}
 		if i%2 == 0 {
-			return st.Complete(ctx, key, newLockToken(), &store.Response{Status: 201}, time.Hour)
+			return st.Complete(ctx, key, store.NewLockToken(), &store.Response{Status: 201}, time.Hour)
 		}
-		return st.Renew(ctx, key, newLockToken())
+		return st.Renew(ctx, key, store.NewLockToken())
 	}
 	if err := call(1); !errors.Is(err, store.ErrLockLost) {
 		t.Fatalf("a renewal of no record: %v, want store.ErrLockLost", err)
@@ -313,7 +289,7 @@ func TestStoreLogSilentDatabaseIsOneOutage(t *testing.T) {
 		t.Errorf("%d store_unavailable lines for one silence, want 1", n)
 	}
 	fwd.Unmute()
-	waitFor(t, 15*time.Second, "the store to answer", func() bool { return errors.Is(call(1), store.ErrLockLost) })
+	storetest.WaitFor(t, 15*time.Second, "the store to answer", func() bool { return errors.Is(call(1), store.ErrLockLost) })
 	if n := logs.FilterMessage("idempotency.store_recovered").Len(); n != 1 {
 		t.Errorf("%d store_recovered lines once the database answered, want 1", n)
 	}
@@ -330,20 +306,20 @@ func TestStoreLogFlappingKeepsTheLimit(t *testing.T) {
 	down := fmt.Errorf("postgres store: renew: %w", context.DeadlineExceeded)
 	timedOut, cancel := context.WithDeadline(context.Background(), time.Now().Add(-time.Second))
 	defer cancel()
-	line := func() (bool, int64) { return l.allow(opRenew) }
+	line := func() (bool, int64) { return l.allow(store.OpRenew) }
 
-	l.observed(timedOut, opRenew, l.begin(), down)
+	l.observed(timedOut, store.OpRenew, l.begin(), down)
 	if ok, _ := line(); !ok {
 		t.Fatal("the first line of an outage was left out")
 	}
 	clock.advance(300 * time.Millisecond)
 	line() // left out
 	clock.advance(200 * time.Millisecond)
-	l.observed(context.Background(), opRenew, l.begin(), nil)
+	l.observed(context.Background(), store.OpRenew, l.begin(), nil)
 	clock.advance(50 * time.Millisecond)
 	line() // left out, after the outage's end: a renewal sent during it
 	clock.advance(50 * time.Millisecond)
-	l.observed(timedOut, opRenew, l.begin(), down)
+	l.observed(timedOut, store.OpRenew, l.begin(), down)
 	clock.advance(100 * time.Millisecond)
 	if ok, _ := line(); ok {
 		t.Errorf("a second renew line 0.7 s after the first, at the start of a second outage")

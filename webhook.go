@@ -14,8 +14,6 @@ import (
 	"io"
 	"strconv"
 	"strings"
-
-	"go.uber.org/zap"
 )
 
 // scopeKeyLabel derives, from the credential secret, the key that scopes
@@ -316,16 +314,3 @@ func (h *Handler) provisionWebhook() error {
 	h.storeStatus, err = parseStoreStatus(h.StoreStatus)
 	return err
 }
-
-// releaseUnstored releases the record of a request whose response
-// store_status does not store: the sender's next delivery executes.
-func (h *Handler) releaseUnstored(q *request, status int) {
-	result := resultReleased
-	if !h.release(q, errNotStoredStatus, zap.Int("status", status)) {
-		result = resultStoreError
-	}
-	h.setResult(q.repl, result)
-}
-
-// errNotStoredStatus is the cause logged for a release by store_status.
-var errNotStoredStatus = errors.New("store_status does not store a response with this status")

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/internal/canonjson"
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/stripe/stripe-go/v82"
 	"github.com/stripe/stripe-go/v82/webhook"
 )
@@ -159,7 +161,7 @@ type stripeReceiver struct {
 }
 
 func newStripeReceiver(t *testing.T) *stripeReceiver {
-	rc := &stripeReceiver{secret: "whsec_" + randomHex(16), counts: map[string]int{}, fail: map[string]int{}}
+	rc := &stripeReceiver{secret: "whsec_" + pgtest.RandomHex(16), counts: map[string]int{}, fail: map[string]int{}}
 	rc.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		ev, err := webhook.ConstructEvent(body, r.Header.Get("Stripe-Signature"), rc.secret)
@@ -198,7 +200,7 @@ func (rc *stripeReceiver) count(id string) int {
 // stripeEvent is an event body as Stripe sends one.
 func stripeEvent(id string) []byte {
 	return fmt.Appendf(nil, `{"id":%q,"object":"event","api_version":%q,"created":%d,"type":"payment_intent.succeeded","data":{"object":{"id":"pi_%s","object":"payment_intent","amount":2000}}}`,
-		id, stripe.APIVersion, time.Now().Unix(), randomHex(6))
+		id, stripe.APIVersion, time.Now().Unix(), pgtest.RandomHex(6))
 }
 
 // deliver sends an event as Stripe does: signed anew for each delivery,
@@ -232,7 +234,7 @@ func TestStripeWebhook(t *testing.T) {
 		start := time.Now()
 
 		t.Run("delivered three times, processed once", func(t *testing.T) {
-			id := "evt_" + randomHex(12)
+			id := "evt_" + pgtest.RandomHex(12)
 			body := stripeEvent(id)
 			first := rc.deliver(t, s, body, start)
 			if first.Status != http.StatusOK || first.replayed() {
@@ -249,7 +251,7 @@ func TestStripeWebhook(t *testing.T) {
 		})
 
 		t.Run("failed twice, reached three times, then replayed", func(t *testing.T) {
-			id := "evt_" + randomHex(12)
+			id := "evt_" + pgtest.RandomHex(12)
 			rc.mu.Lock()
 			rc.fail[id] = 2
 			rc.mu.Unlock()
@@ -285,7 +287,7 @@ func TestStripeWebhook(t *testing.T) {
 		})
 
 		t.Run("12 concurrent deliveries, processed once", func(t *testing.T) {
-			id := "evt_" + randomHex(12)
+			id := "evt_" + pgtest.RandomHex(12)
 			body := stripeEvent(id)
 			gate := make(chan struct{})
 			rc.mu.Lock()
@@ -296,9 +298,9 @@ func TestStripeWebhook(t *testing.T) {
 			for i := range 12 {
 				wg.Go(func() { replies <- rc.deliver(t, s, body, start.Add(time.Duration(i)*time.Second)) })
 			}
-			waitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
+			storetest.WaitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
 			// The others get 409 while the first runs.
-			waitFor(t, 10*time.Second, "11 deliveries refused as in progress", func() bool { return len(replies) == 11 })
+			storetest.WaitFor(t, 10*time.Second, "11 deliveries refused as in progress", func() bool { return len(replies) == 11 })
 			close(gate)
 			wg.Wait()
 			close(replies)
@@ -362,7 +364,7 @@ func TestStripeWebhookWait(t *testing.T) {
 		rc := newStripeReceiver(t)
 		ws := stripeSite(t, sb, rc.URL, "wait 10s")
 		start := time.Now()
-		id := "evt_" + randomHex(12)
+		id := "evt_" + pgtest.RandomHex(12)
 		body := stripeEvent(id)
 		gate := make(chan struct{})
 		rc.mu.Lock()
@@ -373,7 +375,7 @@ func TestStripeWebhookWait(t *testing.T) {
 		for i := range 12 {
 			wg.Go(func() { replies <- rc.deliver(t, ws, body, start.Add(time.Duration(i)*time.Second)) })
 		}
-		waitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
+		storetest.WaitFor(t, 10*time.Second, "the first delivery to reach the upstream", func() bool { return rc.count(id) == 1 })
 		time.Sleep(100 * time.Millisecond) // the others find it in progress, and wait
 		close(gate)
 		wg.Wait()
@@ -433,7 +435,7 @@ func TestWebhookScopesShareATable(t *testing.T) {
 	reverse_proxy %s
 }
 `, port, sb.Block(), routes.String(), strings.TrimPrefix(rc.URL, "http://"), up.Addr()))
-		id := "evt_" + randomHex(12)
+		id := "evt_" + pgtest.RandomHex(12)
 		event := stripeEvent(id)
 		for i := range 2 {
 			if r := rc.deliver(t, s, event, time.Now()); r.Status != http.StatusOK || r.replayed() != (i == 1) {
@@ -441,7 +443,7 @@ func TestWebhookScopesShareATable(t *testing.T) {
 			}
 			for _, hs := range headerSenders {
 				r := s.Do(t, call{Path: "/webhooks/" + hs.scope, Key: id, KeyHeader: hs.keyHeader, Cred: noCred,
-					Body: []byte(`{"type":"order.created"}`), Header: map[string]string{hs.sigHeader: "v1," + randomHex(16)}})
+					Body: []byte(`{"type":"order.created"}`), Header: map[string]string{hs.sigHeader: "v1," + pgtest.RandomHex(16)}})
 				if r.Status != http.StatusCreated || r.replayed() != (i == 1) {
 					t.Errorf("%s delivery %d: %s", hs.scope, i+1, r)
 				}
@@ -474,7 +476,7 @@ func TestKeyJSONDeepBody(t *testing.T) {
 			return append(append(ev[:len(ev)-1:len(ev)-1], `,"deep":`+deep...), '}')
 		}
 
-		id := "evt_" + randomHex(12)
+		id := "evt_" + pgtest.RandomHex(12)
 		body := nested(id, canonjson.MaxDepth+100)
 		first := rc.deliver(t, s, body, start)
 		if first.Status != http.StatusOK || first.replayed() {
@@ -485,7 +487,7 @@ func TestKeyJSONDeepBody(t *testing.T) {
 			t.Errorf("event processed %d times, want 1", n)
 		}
 
-		id = "evt_" + randomHex(12)
+		id = "evt_" + pgtest.RandomHex(12)
 		p := wantProblem(t, rc.deliver(t, s, nested(id, 10_001), start), http.StatusBadRequest)
 		if !strings.HasSuffix(p.Type, "#key-missing") {
 			t.Errorf("problem %+v, want #key-missing", p)

@@ -28,9 +28,13 @@ package store
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"errors"
 	"net/http"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // Store keeps idempotency records. Implementations are guest modules in
@@ -126,6 +130,65 @@ type SecretKeeper interface {
 	// CredentialSecret returns the secret, for the first request that
 	// needs it.
 	CredentialSecret(ctx context.Context) ([]byte, error)
+}
+
+// The store's calls, as the metrics' operation label and the
+// store_error lines name them.
+const (
+	OpAcquire  = "acquire"
+	OpComplete = "complete"
+	OpRelease  = "release"
+	OpRenew    = "renew"
+	OpPrune    = "prune"
+)
+
+// MinSecretLen is the shortest credential secret, in bytes, that a
+// handler accepts or a SecretKeeper keeps: the key size of HMAC-SHA-256,
+// out of reach of a guess.
+const MinSecretLen = 32
+
+// CallTimeout bounds one store round trip: a store that does not answer
+// within it has failed the call. Stores use it for what they do on a
+// call's behalf (a connection's dial).
+const CallTimeout = 5 * time.Second
+
+// Named is implemented by stores that name themselves to an operator,
+// in the admin API and the CLI: Name, such as "postgres:public.keys",
+// tells two stores of one backend apart; Table and Database are empty
+// where the backend has none.
+type Named interface {
+	StoreName() (name, backend, table, database string)
+}
+
+// Classifier is implemented by stores whose errors say, in their
+// backend's terms, that the store did not answer: a server shutting
+// down or starting up, a session ended, a standby's read-only answer
+// during a failover. The handler reads refused, lost and timed-out
+// connections alone; it frames an outage, and its log lines, by both.
+type Classifier interface {
+	Unanswered(err error) bool
+}
+
+// StartCounter is implemented by stores that start in the background,
+// retried until their backend answers (Postgres: its migrations and the
+// first read of its secret): the handler that provisioned the store
+// gives it the counter of its server's failed attempts, before Caddy
+// runs the config.
+type StartCounter interface {
+	CountFailedStarts(c Counter)
+}
+
+// Counter is a metric that a store adds to.
+type Counter interface{ Inc() }
+
+// ServerName is the name of the HTTP server whose routes ctx
+// provisions, or Caddy's own placeholder for none: the "server" field
+// of a store's log lines, as of the handler's.
+func ServerName(ctx caddy.Context) string {
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok && srv != nil && srv.Name() != "" {
+		return srv.Name()
+	}
+	return "UNKNOWN"
 }
 
 // Drainer is implemented by stores that hold what their handlers'
@@ -346,4 +409,12 @@ type Response struct {
 	// BodySize is the size of the original body, even when it was too
 	// large to keep.
 	BodySize int64
+}
+
+// NewLockToken returns a random token, for a request to claim a record
+// with.
+func NewLockToken() LockToken {
+	var t LockToken
+	_, _ = rand.Read(t[:]) // crypto/rand.Read never returns an error
+	return t
 }

@@ -64,7 +64,7 @@ func (b *bench) build(root string) error {
 		{"go", "build", "-o", filepath.Join(b.bin, "caddy"), "./cmd/caddy"},
 		{"go", "build", "-o", filepath.Join(b.bin, "loadgen"), "./bench/loadgen"},
 		{"go", "build", "-o", filepath.Join(b.bin, "upstream"), "./bench/upstream"},
-		{"go", "test", "-c", "-o", filepath.Join(b.bin, "ceiling.test"), "."},
+		{"go", "test", "-c", "-o", filepath.Join(b.bin, "ceiling.test"), "./stores/postgres"},
 	}
 	for _, s := range steps {
 		cmd := exec.Command(s[0], s[1:]...)
@@ -292,7 +292,7 @@ func lastLines(s string, n int) string {
 
 // runPgbench runs pgbench -M prepared on script (in dir, with the
 // constant variables of its vars.txt; see writePgbenchScripts in
-// ceiling_test.go) at the benchmark's concurrency, for the warmup and the
+// stores/postgres/ceiling_test.go) at the benchmark's concurrency, for the warmup and the
 // row's duration, and measures the seconds after the warmup from
 // pgbench's per-second progress reports.
 func (b *bench) runPgbench(ctx context.Context, name, dir, script string) (measurement, error) {

@@ -1,0 +1,291 @@
+package postgres
+
+// Sending a batch: each kind of statement's requests marshalled into
+// arrays, and its rows scanned back to each request's outcome.
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/jackc/pgx/v5"
+)
+
+// queuedAcquire is an acquire as its batcher queues it. mayHaveCommitted:
+// an earlier attempt of the same acquire may have committed.
+type queuedAcquire struct {
+	store.AcquireRequest
+	mayHaveCommitted bool
+}
+
+// sendAcquires runs the acquire statement for a batch of requests.
+//
+// Its statements take at most acquireSlots of the pool's connections at
+// once. A request that owns a record must renew its lock and complete it
+// before the lock goes stale, or a retry takes the record over and runs
+// the request a second time. When the database falls behind, new
+// requests queue for connections faster than they get them; if owners
+// queued behind them, their renewals and completions would wait as long.
+// So new requests wait here instead, and the connections kept from them
+// serve the owners first (whose statements have batchers of their own):
+// under overload, new requests are slowed or refused (503, after the
+// store timeout), never the ones in flight.
+func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcquire, store.AcquireResult]) {
+	fail := func(err error) {
+		for _, c := range calls {
+			c.err = err
+		}
+	}
+	select {
+	case s.admitted <- struct{}{}:
+		defer func() { <-s.admitted }()
+	case <-ctx.Done():
+		fail(fmt.Errorf("waiting for a connection: %w", ctx.Err()))
+		return
+	}
+	var (
+		hashes, fingerprints, tokens [][]byte
+		keys, methods, paths         []string
+		retentions, locks            []int64
+	)
+	for _, c := range calls {
+		r := &c.req
+		hashes = append(hashes, r.Key.CredentialHash[:])
+		keys = append(keys, r.Key.Key)
+		fingerprints = append(fingerprints, r.Fingerprint[:])
+		methods = append(methods, r.Method)
+		paths = append(paths, r.Path)
+		tokens = append(tokens, r.Token[:])
+		retentions = append(retentions, r.Retention.Microseconds())
+		locks = append(locks, r.LockTimeout.Microseconds())
+	}
+	sql, args := s.sql.acquire.forRows(len(calls), []any{hashes, keys, fingerprints, methods, paths, tokens, retentions, locks})
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		s.failed(err)
+		fail(err)
+		return
+	}
+	answered := 0
+	for rows.Next() {
+		var (
+			n           int64
+			outcome     int32
+			status      *string
+			fingerprint []byte
+			method      *string
+			path        *string
+			createdAt   *time.Time
+			expiresAt   *time.Time
+			lockedAt    *time.Time
+			lockedUntil *time.Time
+			respStatus  *int32
+			respHeaders []byte
+			respBody    []byte
+			replayable  *bool
+			respSize    *int64
+			ttl         *int64
+		)
+		if err = rows.Scan(&n, &outcome, &status, &fingerprint, &method, &path, &createdAt, &expiresAt,
+			&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl); err != nil {
+			break
+		}
+		if n < 1 || int(n) > len(calls) {
+			continue
+		}
+		c := calls[n-1]
+		answered++
+		switch {
+		case outcome < 0:
+			c.err = pgx.ErrNoRows
+			continue
+		case store.Outcome(outcome) != store.OutcomeExisting:
+			c.res = store.AcquireResult{Outcome: store.Outcome(outcome)}
+			continue
+		}
+		rec := store.Record{
+			Status:    store.Status(*status),
+			Method:    *method,
+			Path:      *path,
+			CreatedAt: createdAt.UTC(),
+			ExpiresAt: expiresAt.UTC(),
+			TTL:       time.Duration(*ttl) * time.Microsecond,
+		}
+		copy(rec.Fingerprint[:], fingerprint)
+		if lockedAt != nil {
+			rec.LockedAt = lockedAt.UTC()
+		}
+		if lockedUntil != nil {
+			rec.LockedUntil = lockedUntil.UTC()
+		}
+		if rec.Status == store.StatusCompleted {
+			resp := storedResponse(respStatus, replayable, respSize, respBody)
+			var err error
+			if resp.Header, err = store.DecodeHeaders(respHeaders); err != nil {
+				c.err = fmt.Errorf("decoding stored response headers: %w", err)
+				continue
+			}
+			rec.Response = resp
+		}
+		c.res = store.AcquireResult{Outcome: store.OutcomeExisting, Record: &rec}
+	}
+	rows.Close()
+	if err == nil {
+		err = rows.Err()
+	}
+	if err == nil && answered != len(calls) {
+		err = fmt.Errorf("the statement answered %d of %d requests", answered, len(calls))
+	}
+	if err != nil {
+		s.failed(err)
+		fail(err)
+	}
+}
+
+// storedResponse is the response of a completed record, from its
+// columns but the headers, which each caller decodes as it needs.
+func storedResponse(status *int32, replayable *bool, size *int64, body []byte) *store.Response {
+	resp := &store.Response{Body: body}
+	if status != nil {
+		resp.Status = int(*status)
+	}
+	if replayable != nil {
+		resp.Replayable = *replayable
+	}
+	if size != nil {
+		resp.BodySize = *size
+	}
+	return resp
+}
+
+// ownedRequest is a statement on a record that the caller owns under
+// token: a completion (with resp), a release or a renewal.
+type ownedRequest struct {
+	key   store.RecordKey
+	token store.LockToken
+	resp  *completion
+}
+
+// completion is a response as the complete statement stores it.
+type completion struct {
+	status     int32
+	headers    []byte
+	body       []byte
+	replayable bool
+	size       int64
+	retention  time.Duration
+}
+
+// ownedBatcher sends one kind of statement on owned records.
+type ownedBatcher = batcher[ownedRequest, bool]
+
+// newOwnedBatcher returns the batcher of the statement that *sql holds
+// (read at each batch: EnableWaiting changes it), op naming it in errors.
+func (s *Store) newOwnedBatcher(op string, sql *statement) *ownedBatcher {
+	return &ownedBatcher{
+		lanes: batchLanes,
+		key:   func(r ownedRequest) store.RecordKey { return r.key },
+		size: func(r ownedRequest) int {
+			if r.resp == nil {
+				return 0
+			}
+			return len(r.resp.headers) + len(r.resp.body)
+		},
+		send: func(ctx context.Context, calls []*batchCall[ownedRequest, bool]) {
+			s.sendOwned(ctx, op, *sql, calls)
+		},
+	}
+}
+
+// execOwned runs a statement conditioned on the caller still owning the
+// record, in a batch: a row the statement did not change means that the
+// lock was lost.
+func (s *Store) execOwned(ctx context.Context, b *ownedBatcher, req ownedRequest) error {
+	changed, err := b.do(ctx, req)
+	if err != nil {
+		return err
+	}
+	if !changed {
+		return store.ErrLockLost
+	}
+	return nil
+}
+
+// sendOwned runs st for a batch of owned records and tells each call
+// whether its row changed. The database refusing one row's data (a
+// permanent error) would fail the whole statement: the rows of a batch
+// that failed so are then sent alone, so that only the culprit fails.
+func (s *Store) sendOwned(ctx context.Context, op string, st statement, calls []*batchCall[ownedRequest, bool]) {
+	var (
+		hashes, tokens [][]byte
+		keys           []string
+		args           []any
+	)
+	for _, c := range calls {
+		hashes = append(hashes, c.req.key.CredentialHash[:])
+		keys = append(keys, c.req.key.Key)
+		tokens = append(tokens, c.req.token[:])
+	}
+	args = append(args, hashes, keys, tokens)
+	if calls[0].req.resp != nil {
+		var (
+			statuses          []int32
+			headers, bodies   [][]byte
+			replayables       []bool
+			sizes, retentions []int64
+		)
+		for _, c := range calls {
+			r := c.req.resp
+			statuses = append(statuses, r.status)
+			headers = append(headers, r.headers)
+			bodies = append(bodies, r.body)
+			replayables = append(replayables, r.replayable)
+			sizes = append(sizes, r.size)
+			retentions = append(retentions, r.retention.Microseconds())
+		}
+		args = append(args, statuses, headers, bodies, replayables, sizes, retentions)
+	}
+	var n int64
+	dest := []any{&n}
+	if s.listener != nil && op != store.OpRenew {
+		// EnableWaiting made the statements that end a record notify:
+		// their rows have a second column, pg_notify's void.
+		dest = append(dest, nil)
+		payloads := make([]string, len(calls))
+		for i, c := range calls {
+			payloads[i] = notifyPayload(c.req.key)
+		}
+		args = append(args, s.channel, payloads)
+	}
+	sql, args := st.forRows(len(calls), args)
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err == nil {
+		for rows.Next() {
+			if err = rows.Scan(dest...); err != nil {
+				break
+			}
+			if n >= 1 && int(n) <= len(calls) {
+				calls[n-1].res = true
+			}
+		}
+		rows.Close()
+		if err == nil {
+			err = rows.Err()
+		}
+	}
+	if err == nil {
+		return
+	}
+	s.failed(err)
+	if permanentError(err) && len(calls) > 1 {
+		for _, c := range calls {
+			c.res = false
+			s.sendOwned(ctx, op, st, []*batchCall[ownedRequest, bool]{c})
+		}
+		return
+	}
+	for _, c := range calls {
+		c.res, c.err = false, fmt.Errorf("postgres store: %s: %w", op, err)
+	}
+}
