@@ -197,13 +197,14 @@ type Handler struct {
 	// or classes (2xx). Any other response reaches the client and the
 	// record is released, so that the next request with the key
 	// executes (a webhook sender's next delivery). Default: every
-	// response is stored.
+	// response but 401, 403 and 429, which an upstream answers when it
+	// refused the request before running it (list them to store them).
 	StoreStatus []string `json:"store_status,omitempty"`
 
 	// store is the chain of stores the handler calls (wrapStore), and
 	// cache the replay cache in it, or nil.
 	// keyPointer is KeyJSON's reference tokens; storeStatus is
-	// StoreStatus's set (nil: every status).
+	// StoreStatus's set (by default, every status but 401, 403 and 429).
 	keyPointer  []string
 	storeStatus statusSet
 	// explicitKeyHeader and explicitCredHeader are the key_header and

@@ -235,12 +235,20 @@ func (h *Handler) release(q *request, cause error, extra ...zap.Field) bool {
 // releaseUnstored releases the record of a request whose response
 // store_status does not store: the sender's next delivery executes.
 func (h *Handler) releaseUnstored(q *request, status int) {
+	cause := errNotStoredStatus
+	if len(h.StoreStatus) == 0 {
+		cause = errRefusedNotStored
+	}
 	result := resultReleased
-	if !h.release(q, errNotStoredStatus, zap.Int("status", status)) {
+	if !h.release(q, cause, zap.Int("status", status)) {
 		result = resultStoreError
 	}
 	h.setResult(q.repl, result)
 }
 
-// errNotStoredStatus is the cause logged for a release by store_status.
-var errNotStoredStatus = errors.New("store_status does not store a response with this status")
+// The causes logged for a release of a response that is not stored: by
+// store_status, or, without it, an upstream's refusal (refusedStatuses).
+var (
+	errNotStoredStatus  = errors.New("store_status does not store a response with this status")
+	errRefusedNotStored = errors.New("the upstream refused the request before running it (401, 403 or 429): not stored, so that its retry executes")
+)

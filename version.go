@@ -17,7 +17,7 @@ import (
 // tagged module or from a directory replaced at this version (make
 // xcaddy). So the module reports it itself: `caddy idempotency version`,
 // the handler's provision log line and caddy_idempotency_build_info.
-const Version = "v0.1.0"
+const Version = "v0.2.0"
 
 // buildInfo is 1, labelled with the versions, in the style of Go's and
 // Prometheus's own build_info: a dashboard joins on it, an alert can ask

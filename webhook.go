@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"strconv"
 	"strings"
 )
@@ -270,10 +271,25 @@ func (h *Handler) keyFromBody(q *request, body []byte) *problem {
 // (store_status): nil stores every response.
 type statusSet map[int]struct{}
 
-// parseStoreStatus parses store_status's codes (204) and classes (2xx).
+// refusedStatuses are the answers of an upstream that refused a request
+// before running it (its credential unknown or not allowed, a rate
+// limit): not stored unless store_status lists them, so a retry, once
+// the client has fixed its credential or waited, executes, and a flood
+// of made-up credentials leaves no records. As Stripe does.
+var refusedStatuses = []int{http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests}
+
+// parseStoreStatus parses store_status's codes (204) and classes (2xx);
+// without any, every status but refusedStatuses.
 func parseStoreStatus(values []string) (statusSet, error) {
 	if len(values) == 0 {
-		return nil, nil
+		set := make(statusSet, 500)
+		for s := 100; s <= 599; s++ {
+			set[s] = struct{}{}
+		}
+		for _, s := range refusedStatuses {
+			delete(set, s)
+		}
+		return set, nil
 	}
 	set := make(statusSet)
 	for _, v := range values {
