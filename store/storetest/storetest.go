@@ -41,7 +41,6 @@ func Run(t *testing.T, open func(t *testing.T) store.Store) {
 		{"HeadersRoundTripExactly", testHeadersRoundTripExactly},
 		{"RepeatedCallsFindTheirEffect", testRepeatedCallsFindTheirEffect},
 		{"CancelledContext", testCancelledContext},
-		{"RecordsAreCopies", testRecordsAreCopies},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()

@@ -455,3 +455,30 @@ func TestKeptBodiesAreCutToTheirSize(t *testing.T) {
 		t.Error("the memory store copied a body that fits its buffer")
 	}
 }
+
+// A record is the caller's copy: what a caller changes of the response it
+// completed with, or of a record it was given, changes nothing stored.
+func TestMemoryRecordsAreCopies(t *testing.T) {
+	s, _ := newTestMemoryStore(100)
+	req := storetest.Request("cred", "copy-key", "body")
+	storetest.MustAcquire(t, s, req, store.OutcomeCreated)
+	resp := &store.Response{Status: 200, Header: http.Header{"X-A": {"1"}}, Body: []byte("body"), Replayable: true}
+	if err := s.Complete(context.Background(), req.Key, req.Token, resp, req.Retention); err != nil {
+		t.Fatal(err)
+	}
+	// The caller changes what it gave up (the body is the store's now:
+	// Store.Complete)...
+	resp.Header.Set("X-A", "2")
+	resp.Status = 500
+	// ...and a replaying handler changes the headers and status it was
+	// given (the body is read-only: Store.Acquire).
+	rec := storetest.MustAcquire(t, s, storetest.Request("cred", "copy-key", "body"), store.OutcomeExisting)
+	rec.Response.Header["X-A"][0] = "3"
+	rec.Response.Status = 502
+	rec.Status = store.StatusInProgress
+
+	rec = storetest.MustAcquire(t, s, storetest.Request("cred", "copy-key", "body"), store.OutcomeExisting)
+	if rec.Status != store.StatusCompleted || rec.Response.Status != 200 || string(rec.Response.Body) != "body" || rec.Response.Header.Get("X-A") != "1" {
+		t.Fatalf("the store's record changed: %+v, %+v", rec, rec.Response)
+	}
+}
