@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -279,17 +280,10 @@ type statusSet map[int]struct{}
 var refusedStatuses = []int{http.StatusUnauthorized, http.StatusForbidden, http.StatusTooManyRequests}
 
 // parseStoreStatus parses store_status's codes (204) and classes (2xx);
-// without any, every status but refusedStatuses.
+// without any, the set is nil: every status but refusedStatuses.
 func parseStoreStatus(values []string) (statusSet, error) {
 	if len(values) == 0 {
-		set := make(statusSet, 500)
-		for s := 100; s <= 599; s++ {
-			set[s] = struct{}{}
-		}
-		for _, s := range refusedStatuses {
-			delete(set, s)
-		}
-		return set, nil
+		return nil, nil
 	}
 	set := make(statusSet)
 	for _, v := range values {
@@ -312,7 +306,7 @@ func parseStoreStatus(values []string) (statusSet, error) {
 // stores reports whether a response with status is stored.
 func (s statusSet) stores(status int) bool {
 	if s == nil {
-		return true
+		return !slices.Contains(refusedStatuses, status)
 	}
 	_, ok := s[status]
 	return ok
