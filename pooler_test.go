@@ -427,6 +427,19 @@ func TestPooledDSNWaitNeedsListenDSN(t *testing.T) {
 	wantCLI(t, validate(`dsn "postgres://u@127.0.0.1:5432/db"`), 0)
 }
 
+// A store's start leaves no named statement on a server connection of a
+// transaction pooler in pgx's default mode: through a pooler of one
+// server connection, where a second store meets whatever the first left,
+// both stores of one table start. Starting with named statements, the
+// second would meet the first's "already exists" and never start.
+func TestStartThroughPoolerInDefaultMode(t *testing.T) {
+	bouncer := startPgBouncer(t, 1)
+	table := pgtest.FreshTable(t)
+	for range 2 {
+		provisionTestStore(t, &postgres.Store{DSN: bouncer.DSN(""), Table: table, MaxConns: 2})
+	}
+}
+
 // A DSN through a transaction pooler in pgx's default mode,
 // cache_statement: pgx prepares each statement once per connection,
 // under a name of its own, but the pooler gives that connection another
@@ -478,12 +491,15 @@ func TestPooledDSNInDefaultModeIsNamed(t *testing.T) {
 		}
 		return n
 	}
-	// The stores start (their own statements may meet the same errors,
-	// and are retried), so that the requests' statements meet them too.
-	storetest.WaitFor(t, 30*time.Second, "a request to execute through the pooler", func() bool {
-		r, err := clients[0].DoCtx(context.Background(), call{Key: newKey(), Body: payBody()})
-		return err == nil && r.Status == http.StatusCreated
-	})
+	// Both stores start: their start prepares no named statement, so
+	// that one store's start leaves nothing on a server connection that
+	// the other's meets. Then the requests' statements meet the errors.
+	for i, c := range clients {
+		storetest.WaitFor(t, 30*time.Second, fmt.Sprintf("a request to execute through the pooler on site %d", i), func() bool {
+			r, err := c.DoCtx(context.Background(), call{Key: newKey(), Body: payBody()})
+			return err == nil && r.Status == http.StatusCreated
+		})
+	}
 	// Rounds of concurrent first executions, until enough have failed
 	// that a line per failure, or per handler, would show.
 	const wantRefused = 20

@@ -100,7 +100,7 @@ func applyMigration(ctx context.Context, db TxBeginner, t Table, m migration) (b
 
 	// The lock comes first: CREATE TABLE IF NOT EXISTS is not safe
 	// against a concurrent identical statement.
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrationLockKey); err != nil {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", unnamed, migrationLockKey); err != nil {
 		return false, err
 	}
 	if err := checkTable(ctx, tx, t); err != nil {
@@ -119,7 +119,7 @@ func applyMigration(ctx context.Context, db TxBeginner, t Table, m migration) (b
 	var done bool
 	if err := tx.QueryRow(ctx,
 		`SELECT EXISTS (SELECT FROM `+bookkeeping+` WHERE table_name = $1 AND version = $2)`,
-		t.String(), m.version,
+		unnamed, t.String(), m.version,
 	).Scan(&done); err != nil {
 		return false, err
 	}
@@ -129,11 +129,11 @@ func applyMigration(ctx context.Context, db TxBeginner, t Table, m migration) (b
 		// fail on a missing relation. A missing table is a table with no
 		// migrations, the later ones included.
 		var exists bool
-		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, t.quoted()).Scan(&exists); err != nil {
+		if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, unnamed, t.quoted()).Scan(&exists); err != nil {
 			return false, err
 		}
 		if !exists {
-			if _, err := tx.Exec(ctx, `DELETE FROM `+bookkeeping+` WHERE table_name = $1`, t.String()); err != nil {
+			if _, err := tx.Exec(ctx, `DELETE FROM `+bookkeeping+` WHERE table_name = $1`, unnamed, t.String()); err != nil {
 				return false, err
 			}
 			done = false
@@ -149,7 +149,7 @@ func applyMigration(ctx context.Context, db TxBeginner, t Table, m migration) (b
 	}
 	if _, err := tx.Exec(ctx,
 		`INSERT INTO `+bookkeeping+` (table_name, version, name) VALUES ($1, $2, $3)`,
-		t.String(), m.version, m.name,
+		unnamed, t.String(), m.version, m.name,
 	); err != nil {
 		return false, err
 	}
@@ -199,7 +199,7 @@ func checkTable(ctx context.Context, db queryRower, t Table) error {
 	(SELECT array_agg(a.attname::text ORDER BY k.i)
 		FROM pg_index x, unnest(x.indkey::int2[]) WITH ORDINALITY AS k(attnum, i), pg_attribute a
 		WHERE x.indrelid = c.oid AND x.indisprimary AND a.attrelid = c.oid AND a.attnum = k.attnum)
-FROM (SELECT to_regclass($1)::oid AS oid) AS c`, t.quoted()).Scan(&exists, &columns, &pkey)
+FROM (SELECT to_regclass($1)::oid AS oid) AS c`, unnamed, t.quoted()).Scan(&exists, &columns, &pkey)
 	if err != nil {
 		return fmt.Errorf("checking table %s: %w", t, err)
 	}

@@ -73,7 +73,7 @@ type replication struct {
 func checkReplication(ctx context.Context, pool *pgxpool.Pool) (replication, error) {
 	var r replication
 	var known, unknown int
-	err := pool.QueryRow(ctx, replicationQuery).Scan(&r.commit, &r.standbyNames, &r.asyncStandbys, &known, &unknown)
+	err := pool.QueryRow(ctx, replicationQuery, unnamed).Scan(&r.commit, &r.standbyNames, &r.asyncStandbys, &known, &unknown)
 	if err != nil {
 		return r, err
 	}

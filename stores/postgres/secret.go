@@ -42,7 +42,7 @@ func (s *Store) CredentialSecret(ctx context.Context) ([]byte, error) {
 func (s *Store) readCredentialSecret(ctx context.Context) ([]byte, error) {
 	fresh := make([]byte, store.MinSecretLen)
 	_, _ = rand.Read(fresh)
-	if _, err := s.pool.Exec(ctx, `INSERT INTO `+s.table.SecretTable()+` (secret) VALUES ($1) ON CONFLICT DO NOTHING`, fresh); err != nil {
+	if _, err := s.pool.Exec(ctx, `INSERT INTO `+s.table.SecretTable()+` (secret) VALUES ($1) ON CONFLICT DO NOTHING`, unnamed, fresh); err != nil {
 		return nil, fmt.Errorf("postgres store: credential secret: %w", err)
 	}
 	secret, err := storedCredentialSecret(ctx, s.pool, s.table)
@@ -66,7 +66,7 @@ func storedCredentialSecret(ctx context.Context, db interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, t Table) ([]byte, error) {
 	var secret []byte
-	err := db.QueryRow(ctx, `SELECT secret FROM `+t.SecretTable()+` WHERE id`).Scan(&secret)
+	err := db.QueryRow(ctx, `SELECT secret FROM `+t.SecretTable()+` WHERE id`, unnamed).Scan(&secret)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}

@@ -6,6 +6,8 @@ package postgres
 import (
 	"fmt"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/caddy-idempotency/idempotency/store"
 )
 
@@ -22,6 +24,17 @@ type postgresSQL struct {
 	// row 7a measures it; acquire looks up every row of its batch).
 	lookup string
 }
+
+// unnamed, first among a statement's arguments, has pgx run it without a
+// named prepared statement (describe, then execute), whatever the dsn's
+// mode. The statements of a store's start, its checks and the CLI's are
+// run so: each runs once, and in pgx's default mode through a
+// transaction pooler, a named statement that one instance's start leaves
+// on a server connection is met again by the next instance's start on
+// that connection ("already exists"), which would then never start. The
+// requests' statements keep the dsn's mode, so that a pooler that loses
+// them is still named (nameExecMode).
+const unnamed = pgx.QueryExecModeDescribeExec
 
 // recordColumns are the columns of a record, in the order that acquire's
 // and the lookup's rows give them. The headers are in
