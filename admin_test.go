@@ -163,11 +163,27 @@ func TestAdminAPIRecords(t *testing.T) {
 			t.Errorf("a listing shows a body: %s", raw)
 		}
 
-		// Show, by credential id, with the body: as stored.
+		// Show, by credential id, with the body: as stored, or, sealed
+		// (Postgres, by default), said to be sealed, without it.
+		wantBody := func(recs adminRecords, how string) {
+			t.Helper()
+			if len(recs.Records) != 1 || recs.Records[0].Response == nil || !bytes.Equal(recs.Records[0].Response.Body, first.Body) ||
+				recs.Records[0].Response.Header.Get("X-Execution-Id") != first.Header.Get("X-Execution-Id") {
+				t.Fatalf("shown with body=1 %s: %+v, want body %q", how, recs, first.Body)
+			}
+		}
 		recs = admin.records(url.Values{"key": {k1}, "credential_id": {rec.CredentialID}, "body": {"1"}}, nil)
-		if len(recs.Records) != 1 || recs.Records[0].Response == nil || !bytes.Equal(recs.Records[0].Response.Body, first.Body) ||
-			recs.Records[0].Response.Header.Get("X-Execution-Id") != first.Header.Get("X-Execution-Id") {
-			t.Fatalf("shown with body=1: %+v, want body %q", recs, first.Body)
+		if sealed := sb.Name == "postgres"; sealed != rec.Sealed {
+			t.Fatalf("listed as sealed: %v, want %v", rec.Sealed, sealed)
+		} else if sealed && (len(recs.Records) != 1 || !recs.Records[0].Sealed || recs.Records[0].Response != nil) {
+			t.Fatalf("a sealed record shown with body=1 by credential id: %+v, want sealed, without the response", recs)
+		} else if !sealed {
+			wantBody(recs, "by credential id")
+		}
+		// By the raw credential, the sealed response opens.
+		wantBody(admin.records(nil, map[string]any{"key": k1, "credential": defaultCred, "body": true}), "by credential")
+		if recs := admin.records(nil, map[string]any{"key": k1, "credential_id": rec.CredentialID, "body": true}); sb.Name == "postgres" && recs.Records[0].Response != nil {
+			t.Fatalf("sealed, shown by credential id: %+v", recs)
 		}
 
 		// With bodies, a listing is short: each response is held in

@@ -63,6 +63,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    scope              <name>
 //	    key_json           <pointer>
 //	    store_status       <status...>
+//	    seal               on|off
 //	}
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
@@ -189,6 +190,18 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			if _, err := parseStoreStatus(h.StoreStatus); err != nil {
 				return d.Errf("idempotency: %v", err)
+			}
+		case "seal":
+			var arg string
+			if !d.AllArgs(&arg) {
+				return d.ArgErr()
+			}
+			switch arg {
+			case "on", "off":
+				on := arg == "on"
+				h.Seal = &on
+			default:
+				return d.Errf("idempotency: seal must be on or off, not %q", arg)
 			}
 		default:
 			if backend, ok := storeOptions[name]; ok {

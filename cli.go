@@ -450,12 +450,18 @@ func printRecord(w io.Writer, ir store.InspectedRecord) {
 	}
 	var body string
 	switch {
+	case resp.Sealed && resp.Replayable:
+		body = fmt.Sprintf("%d bytes, stored sealed with its headers: replayable", resp.BodySize)
 	case resp.Replayable && ir.StoredBody != nil:
 		body = fmt.Sprintf("%d bytes, stored: replayable", *ir.StoredBody)
 	case resp.BodySize > 0:
 		body = fmt.Sprintf("%d bytes, too large to store: not replayable", resp.BodySize)
 	default:
 		body = "not stored: not replayable"
+	}
+	if resp.Sealed {
+		fmt.Fprintf(w, "response:         %d; sealed; body %s\n", resp.Status, body)
+		return
 	}
 	headers := 0
 	if ir.StoredHeaders != nil {

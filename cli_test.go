@@ -145,7 +145,7 @@ func TestCLIInspectAndRelease(t *testing.T) {
 	// Now completed: inspect shows the response; release refuses without
 	// --force (a replay is what retries should get).
 	wantCLI(t, runCLI(t, env, append([]string{"inspect"}, target...)...), exitOK,
-		"status:           completed", "response:         201; body ", "stored: replayable")
+		"status:           completed", "response:         201; sealed; body ", "stored sealed with its headers: replayable")
 	wantCLI(t, runCLI(t, env, append([]string{"release"}, target...)...), exitError, "not in progress", "--force")
 	wantReplayOf(t, s.Do(t, c), retry)
 	// The raw credential names the same record, hashed locally.

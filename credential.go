@@ -104,7 +104,13 @@ func hasPlaceholder(s string) bool {
 
 // credentialHasher computes HMAC-SHA-256 under one secret. Its states are
 // pooled: a request then hashes its credential without allocating.
-type credentialHasher struct{ states sync.Pool }
+type credentialHasher struct {
+	states sync.Pool
+	// seal, on a handler's hasher (secretHasher), extracts the key of a
+	// sealed record from the credential: HKDF-Extract is HMAC under the
+	// seal salt (seal.go).
+	seal *credentialHasher
+}
 
 type hmacState struct {
 	mac hash.Hash
@@ -116,6 +122,14 @@ func newCredentialHasher(secret []byte) *credentialHasher {
 	key := bytes.Clone(secret)
 	c := new(credentialHasher)
 	c.states.New = func() any { return &hmacState{mac: hmac.New(sha256.New, key)} }
+	return c
+}
+
+// secretHasher is a handler's hasher under the credential secret, which
+// also derives the keys of sealed records.
+func secretHasher(secret []byte) *credentialHasher {
+	c := newCredentialHasher(secret)
+	c.seal = newCredentialHasher(sealSalt(secret))
 	return c
 }
 
@@ -156,7 +170,7 @@ func (k *credentialKey) get(ctx context.Context) (*credentialHasher, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := newCredentialHasher(secret)
+	c := secretHasher(secret)
 	k.hasher.Store(c)
 	return c, nil
 }
@@ -175,7 +189,7 @@ func (h *Handler) provisionCredentials() error {
 		if err != nil {
 			return err
 		}
-		h.credKey.hasher.Store(newCredentialHasher(secret))
+		h.credKey.hasher.Store(secretHasher(secret))
 		return nil
 	}
 	src, ok := store.As[store.SecretKeeper](h.store)
@@ -223,9 +237,11 @@ func authChallenge(credHeader string) string {
 //
 // A key_json key is in the body: it is left "", for step 3 to read
 // (bodyKey). A scope is hashed in place of a credential (scopeHash).
-func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, rk store.RecordKey, p *problem, err error) {
+// With sl, the key of a sealed record is extracted from the credential
+// into it as well (seal.go).
+func (h *Handler) identify(r *http.Request, repl *caddy.Replacer, sl *sealer) (key string, rk store.RecordKey, p *problem, err error) {
 	if h.keyPointer != nil {
-		return h.identifyCaller(r, repl, "")
+		return h.identifyCaller(r, repl, "", sl)
 	}
 	keyValues := keyValues(r.Header, h.KeyHeader)
 	if len(keyValues) == 0 {
@@ -243,19 +259,23 @@ func (h *Handler) identify(r *http.Request, repl *caddy.Replacer) (key string, r
 		return "", rk, &prob, nil
 	}
 	repl.Set("http.idempotency.key", key)
-	return h.identifyCaller(r, repl, key)
+	return h.identifyCaller(r, repl, key, sl)
 }
 
 // identifyCaller does step 2 for a request with the key: it reads the
 // credential and hashes it, or hashes the scope.
-func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key string) (string, store.RecordKey, *problem, error) {
+func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key string, sl *sealer) (string, store.RecordKey, *problem, error) {
 	var rk store.RecordKey
 	if h.Scope != "" {
 		hasher, err := h.credKey.get(r.Context())
 		if err != nil {
 			return key, rk, nil, err
 		}
-		return key, store.RecordKey{CredentialHash: h.scopeSum(hasher), Key: key}, nil, nil
+		sc := h.scopeSums(hasher)
+		if sl != nil {
+			sl.prk = sc.prk
+		}
+		return key, store.RecordKey{CredentialHash: sc.sum, Key: key}, nil, nil
 	}
 	// A header is read by its fields, also through a placeholder, which
 	// would join fields that disagree into a scope of their own.
@@ -272,6 +292,9 @@ func (h *Handler) identifyCaller(r *http.Request, repl *caddy.Replacer, key stri
 	hasher, err := h.credKey.get(r.Context())
 	if err != nil {
 		return key, rk, nil, err
+	}
+	if sl != nil {
+		sl.prk = hasher.seal.hash(credential)
 	}
 	return key, store.RecordKey{CredentialHash: hasher.hash(credential), Key: key}, nil, nil
 }

@@ -457,6 +457,9 @@ func TestHostileSecretsNeverLeak(t *testing.T) {
 			table %s
 		}
 		retry_after 1s
+		# In the clear, so that the table shows what is stored: the
+		# secrets must be left out, not only sealed.
+		seal off
 	}
 	reverse_proxy %s
 }

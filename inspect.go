@@ -109,19 +109,22 @@ func parseCredentialID(id string) ([]byte, error) {
 // never a raw credential, and the stored response only when asked
 // (body=1).
 type recordJSON struct {
-	CredentialHash string        `json:"credential_hash"`
-	CredentialID   string        `json:"credential_id"`
-	Key            string        `json:"key"`
-	Status         store.Status  `json:"status"`
-	Expired        bool          `json:"expired"`
-	Method         string        `json:"method"`
-	Path           string        `json:"path"`
-	Created        time.Time     `json:"created"`
-	Expires        time.Time     `json:"expires"`
-	Locked         *time.Time    `json:"locked,omitempty"`
-	LockedUntil    *time.Time    `json:"locked_until,omitempty"`
-	LeaseEnds      *time.Time    `json:"lease_ends,omitempty"`
-	LeaseEnded     bool          `json:"lease_ended,omitempty"`
+	CredentialHash string       `json:"credential_hash"`
+	CredentialID   string       `json:"credential_id"`
+	Key            string       `json:"key"`
+	Status         store.Status `json:"status"`
+	Expired        bool         `json:"expired"`
+	Method         string       `json:"method"`
+	Path           string       `json:"path"`
+	Created        time.Time    `json:"created"`
+	Expires        time.Time    `json:"expires"`
+	Locked         *time.Time   `json:"locked,omitempty"`
+	LockedUntil    *time.Time   `json:"locked_until,omitempty"`
+	LeaseEnds      *time.Time   `json:"lease_ends,omitempty"`
+	LeaseEnded     bool         `json:"lease_ended,omitempty"`
+	// Sealed: the stored response is sealed (seal.go), and shown only
+	// to a request that names the raw credential.
+	Sealed         bool          `json:"sealed,omitempty"`
 	ResponseStatus *int          `json:"response_status,omitempty"`
 	Replayable     *bool         `json:"replayable,omitempty"`
 	BodySize       *int64        `json:"response_body_size,omitempty"`
@@ -159,7 +162,8 @@ func newRecordJSON(ir store.InspectedRecord, withResponse bool) recordJSON {
 	}
 	if resp := ir.Record.Response; resp != nil {
 		rec.ResponseStatus, rec.Replayable, rec.BodySize = &resp.Status, &resp.Replayable, &resp.BodySize
-		if withResponse {
+		rec.Sealed = resp.Sealed
+		if withResponse && !resp.Sealed {
 			rec.Response = &responseJSON{resp.Header, resp.Body}
 		}
 	}

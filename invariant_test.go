@@ -380,10 +380,15 @@ func checkInvariant(t *testing.T, w *workload, plans []keyPlan, up *upstream, sb
 	}
 	table := make(map[string]row)
 	rows := pgtest.Query(t, sb.DSN, "SELECT encode(credential_hash, 'hex'), key, status, coalesce(response_status, 0), "+
-		"encode(coalesce(response_body, ''), 'hex') FROM "+pgtest.QuoteIdent(sb.Table))
+		"encode(coalesce(response_body, ''), 'hex'), encode(fingerprint, 'hex'), coalesce(replayable, false), "+
+		"coalesce(response_header_bytes = '\\x02'::bytea, false) FROM "+pgtest.QuoteIdent(sb.Table))
 	for _, r := range rows {
 		code, _ := strconv.Atoi(r[3])
 		body, _ := hex.DecodeString(r[4])
+		if r[7] == "true" {
+			// Sealed: opened as its tenant's retry opens it.
+			body = openedBody(t, sb, tenantOf[r[0]], r[1], r[5], code, r[6] == "true", body)
+		}
 		table[tenantOf[r[0]]+"|"+r[1]] = row{status: r[2], code: code, body: body}
 	}
 

@@ -201,8 +201,13 @@ type Handler struct {
 	// refused the request before running it (list them to store them).
 	StoreStatus []string `json:"store_status,omitempty"`
 
-	// store is the chain of stores the handler calls (wrapStore), and
-	// cache the replay cache in it, or nil.
+	// Whether completed responses are sealed (seal.go): "on" encrypts
+	// them under a key derived from the caller's credential, which is
+	// never stored; "off" stores them as they are. A handler opens
+	// sealed records either way. Default: on, except in front of a
+	// store in this process's memory.
+	Seal *bool `json:"seal,omitempty"`
+
 	// keyPointer is KeyJSON's reference tokens; storeStatus is
 	// StoreStatus's set (by default, every status but 401, 403 and 429).
 	keyPointer  []string
@@ -212,6 +217,8 @@ type Handler struct {
 	explicitKeyHeader, explicitCredHeader string
 	scopeCache                            *atomic.Pointer[scopeCached]
 
+	// store is the chain of stores the handler calls (wrapStore), and
+	// cache the replay cache in it, or nil.
 	store     store.Store
 	cache     *replayCache
 	inProcess bool   // the store does no I/O (storeCall)
@@ -245,6 +252,11 @@ type Handler struct {
 	// storeLog limits the store_error lines and notes outages
 	// (storelog.go).
 	storeLog *storeLog
+	// sealing: Complete seals (Seal); opening: requests derive a sealer,
+	// to seal or to open what another handler sealed; sealTable names
+	// the records in what is sealed (seal.go).
+	sealing, opening bool
+	sealTable        string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -336,6 +348,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		sc.CountFailedStarts(startupErrors(h.metrics.server))
 	}
 	_, h.inProcess = store.As[store.InProcess](h.store)
+	h.sealing = !h.inProcess
+	if h.Seal != nil {
+		h.sealing = *h.Seal
+	}
+	h.opening = h.sealing || !h.inProcess
+	h.sealTable = sealTable(h.store)
 	h.records = recordsOf(h.store)
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)

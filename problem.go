@@ -99,6 +99,12 @@ var (
 		Status: http.StatusServiceUnavailable,
 		Detail: "the idempotency store could not be reached, so the request was not executed; retry after the Retry-After delay with the same Idempotency-Key",
 	}
+	probRecordUnreadable = problem{
+		Type:   problemTypeBase + "record-unreadable",
+		Title:  "Stored response unreadable",
+		Status: http.StatusInternalServerError,
+		Detail: "a response is stored for this Idempotency-Key, but it cannot be opened: it was sealed under another credential or secret, or changed after it was stored; the request was not executed again: use a new key for a new request, or ask the operator",
+	}
 	probNotExecuted = problem{
 		Type:   problemTypeBase + "not-executed",
 		Title:  "Request not executed",
@@ -133,7 +139,7 @@ func wordProblems(keyHeader, credentialHeader string) map[string]problemWording 
 	words := make(map[string]problemWording)
 	for _, p := range []problem{
 		probKeyMissing, probKeyMalformed, probKeyDuplicate, probBodyUnreadable, probBodyBudget, probKeyReused,
-		probInProgress, probNotReplayable, probStoreUnavailable, probNotExecuted, probOutcomeUnknown,
+		probInProgress, probNotReplayable, probStoreUnavailable, probRecordUnreadable, probNotExecuted, probOutcomeUnknown,
 	} {
 		words[p.Type] = problemWording{title: r.Replace(p.Title), detail: r.Replace(p.Detail), defaultDetail: p.Detail}
 	}

@@ -13,9 +13,12 @@ import (
 	"go.uber.org/zap"
 )
 
-// renewLocks renews locks through store, in one round trip when it can.
+// renewLocks renews locks through store, in one round trip when it can:
+// when st, or a store it wraps, renews many at once. A wrapper that
+// watches renewals (the cache, the metrics) implements LockRenewer
+// itself, and is found first.
 func renewLocks(ctx context.Context, st store.Store, locks []store.HeldLock) []error {
-	if r, ok := st.(store.LockRenewer); ok {
+	if r, ok := store.As[store.LockRenewer](st); ok {
 		return r.RenewLocks(ctx, locks)
 	}
 	errs := make([]error, len(locks))

@@ -40,6 +40,9 @@ type request struct {
 	bodyRead bool
 	bodyCut  *problem
 	token    store.LockToken // this request's claim on its record (step 5)
+	// sealer seals and opens the request's record (seal.go), nil where
+	// the handler does neither.
+	sealer *sealer
 	// dated is when the lock was last dated: no later than when the
 	// store got the acquire, or the renewal, that dated it. Renewals
 	// are timed from it.
@@ -74,8 +77,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
 
-	// 1. Key, and 2. credential, hashed at once.
-	key, rk, idProb, err := h.identify(r, repl)
+	// 1. Key, and 2. credential, hashed at once, and the key of a sealed
+	// record extracted from it.
+	var sl *sealer
+	if h.opening {
+		sl = &sealer{table: h.sealTable, seal: h.sealing}
+	}
+	key, rk, idProb, err := h.identify(r, repl, sl)
 	if err == nil && idProb == nil && key != "" && ownedOnTheWay(r.Context(), h.records, rk) {
 		// A handler around this one owns this very record and executes
 		// the request under it (nesting.go): it stores the response.
@@ -85,7 +93,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if !counted {
 		defer h.countResult(repl)
 	}
-	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk}
+	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk, sealer: sl}
 	switch {
 	case err != nil:
 		h.storeError(&q, "credential_secret", err)
@@ -121,6 +129,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 
 	// 4. Fingerprint.
 	q.fp = fingerprint(headOf(r), body)
+	if sl != nil {
+		sl.fp = q.fp
+	}
 
 	// 5. Acquire, in one round trip (and, with `wait`, wait for the
 	// same request in progress to finish). The store dates a lock when
@@ -130,7 +141,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	defer h.executing.Add(-1)
 	q.token = store.NewLockToken()
 	q.dated = time.Now()
-	acq, err := h.acquireOrWait(r.Context(), h.acquireRequest(&q), logHost(r))
+	acq, err := h.acquireOrWait(withSealer(r.Context(), sl), h.acquireRequest(&q), logHost(r))
+	if errors.Is(err, errRecordUnreadable) {
+		return h.unreadable(&q, err)
+	}
 	if err != nil {
 		h.storeError(&q, "acquire", err)
 		return h.storeFailed(&q)
@@ -226,4 +240,5 @@ const (
 	resultRejected   = "rejected"
 	resultReleased   = "released"
 	resultStoreError = "store_error"
+	resultUnreadable = "unreadable"
 )

@@ -16,14 +16,16 @@ import (
 )
 
 // wrapStore builds the chain of stores that a handler calls, around the
-// store module raw: the metrics time each call that reaches raw, and the
-// replay cache, outermost, answers replays without one (its hits are no
-// round trips of the store). A cacheSize of 0 leaves the cache out; the
+// store module raw: the metrics time each call that reaches raw, the
+// seals are made and opened above them (seal.go), and the replay cache,
+// outermost, answers replays without a call (its hits are no round trips
+// of the store). A cacheSize of 0 leaves the cache out; the
 // cache is returned too, nil then, for the admin API, whose releases
 // evict what it holds. raw's capabilities stay reachable through the
 // chain (store.As).
 func wrapStore(raw store.Store, m *storeMetrics, cacheSize int64) (store.Store, *replayCache) {
-	var s store.Store = instrumentedStore{raw, m}
+	// The seals are below the cache, which holds opened responses.
+	var s store.Store = sealingStore{instrumentedStore{raw, m}}
 	if cacheSize <= 0 {
 		return s, nil
 	}

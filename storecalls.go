@@ -184,8 +184,9 @@ func (h *Handler) complete(q *request, resp *store.Response, ls *lease) (stored 
 	var err error
 	degraded, held := false, false
 	deadline := time.Now().Add(time.Duration(h.ExecutionTimeout) + time.Duration(h.LockTimeout))
+	sealing := withSealer(context.Background(), q.sealer)
 	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
-		ctx, cancel := h.storeCall(context.Background(), h.attemptTimeout())
+		ctx, cancel := h.storeCall(sealing, h.attemptTimeout())
 		err = h.store.Complete(ctx, q.rk, q.token, resp, time.Duration(h.Retention))
 		cancel()
 		if errors.Is(err, store.ErrUnstorable) && !degraded {

@@ -84,10 +84,12 @@ func outageHandler(t *testing.T) (*Handler, *downStore, *observer.ObservedLogs, 
 	}
 	core, logs := observer.New(zap.InfoLevel)
 	h.logger = zap.New(core)
-	inst := h.store.(instrumentedStore)
+	sealing := h.store.(sealingStore)
+	inst := sealing.Store.(instrumentedStore)
 	ds := &downStore{Store: inst.Store}
 	inst.Store = ds
-	h.store = inst
+	sealing.Store = inst
+	h.store = sealing
 	clock := new(testClock)
 	clock.advance(time.Hour)
 	h.storeLog.now = clock.now

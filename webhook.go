@@ -30,21 +30,23 @@ func scopeHash(c *credentialHasher, name string) [32]byte {
 	return newCredentialHasher(derived[:]).hash(name)
 }
 
-// scopeSum is the handler's scope hashed under hasher's secret, computed
-// once per secret.
-func (h *Handler) scopeSum(hasher *credentialHasher) [32]byte {
+// scopeSums is the handler's scope hashed under hasher's secret, and the
+// key of its sealed records extracted from it, computed once per secret.
+func (h *Handler) scopeSums(hasher *credentialHasher) *scopeCached {
 	if c := h.scopeCache.Load(); c != nil && c.hasher == hasher {
-		return c.sum
+		return c
 	}
-	c := &scopeCached{hasher: hasher, sum: scopeHash(hasher, h.Scope)}
+	c := &scopeCached{hasher: hasher, sum: scopeHash(hasher, h.Scope), prk: hasher.seal.hash(scopeKeyLabel + h.Scope)}
 	h.scopeCache.Store(c)
-	return c.sum
+	return c
 }
 
-// scopeCached is a scope's hash under one hasher's secret.
+// scopeCached is a scope's hash, and the key of its sealed records, under
+// one hasher's secret.
 type scopeCached struct {
 	hasher *credentialHasher
 	sum    [32]byte
+	prk    [32]byte
 }
 
 // checkScope refuses a scope given with a credential: the records would

@@ -41,6 +41,34 @@ func EncodeHeaders(h http.Header) []byte {
 	return b
 }
 
+// headerFormatSealed is what a store keeps in place of the headers of a
+// sealed response, whose headers are inside its sealed body. Versions
+// before sealing read it as malformed JSON and refuse the record, rather
+// than replay its sealed bytes as a body: in a rolling upgrade that
+// shares a table, they fail closed.
+const headerFormatSealed = 0x02
+
+// EncodeResponseHeaders encodes r's headers as a store keeps them
+// (EncodeHeaders), or, for a sealed response, the mark that says so.
+func EncodeResponseHeaders(r *Response) []byte {
+	if r.Sealed {
+		return []byte{headerFormatSealed}
+	}
+	return EncodeHeaders(r.Header)
+}
+
+// DecodeResponseHeaders sets r's headers, or marks it sealed, from what
+// EncodeResponseHeaders encoded.
+func DecodeResponseHeaders(b []byte, r *Response) error {
+	if len(b) == 1 && b[0] == headerFormatSealed {
+		r.Header, r.Sealed = nil, true
+		return nil
+	}
+	var err error
+	r.Header, err = DecodeHeaders(b)
+	return err
+}
+
 var errHeaderEncoding = errors.New("malformed stored headers")
 
 // DecodeHeaders decodes what EncodeHeaders encoded, or the JSON that

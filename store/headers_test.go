@@ -143,3 +143,23 @@ func TestHeaderDecodingAllocations(t *testing.T) {
 		t.Errorf("decoding 40 headers: %v allocations, 2 headers: %v", many, few)
 	}
 }
+
+// A sealed response's mark round-trips, and is what a version before
+// sealing refuses: its decoder was DecodeHeaders, which must fail on
+// the mark rather than read it as headers (and the sealed body as the
+// body to replay).
+func TestSealedMarkFailsClosedBeforeSealing(t *testing.T) {
+	mark := EncodeResponseHeaders(&Response{Sealed: true, Header: http.Header{"X-A": {"1"}}})
+	if _, err := DecodeHeaders(mark); err == nil {
+		t.Fatalf("DecodeHeaders(%x) decoded the sealed mark", mark)
+	}
+	var r Response
+	if err := DecodeResponseHeaders(mark, &r); err != nil || !r.Sealed || r.Header != nil {
+		t.Fatalf("DecodeResponseHeaders(%x) = %+v, %v", mark, r, err)
+	}
+	plain := EncodeResponseHeaders(&Response{Header: http.Header{"X-A": {"1"}}})
+	r = Response{}
+	if err := DecodeResponseHeaders(plain, &r); err != nil || r.Sealed || r.Header.Get("X-A") != "1" {
+		t.Fatalf("DecodeResponseHeaders(%x) = %+v, %v", plain, r, err)
+	}
+}

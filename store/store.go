@@ -409,6 +409,12 @@ type Response struct {
 	// BodySize is the size of the original body, even when it was too
 	// large to keep.
 	BodySize int64
+	// Sealed marks a response that the handler sealed (its `seal`): Body
+	// holds its headers and body, encrypted under a key that only a
+	// request with the caller's credential derives, and Header is nil.
+	// Status, Replayable and BodySize stay in the clear. A store keeps it
+	// as any other (EncodeResponseHeaders keeps the mark).
+	Sealed bool
 }
 
 // NewLockToken returns a random token, for a request to claim a record

@@ -65,7 +65,7 @@ func (m *Store) InspectRecords(ctx context.Context, f store.RecordFilter) ([]sto
 		sorted[i] = out[j]
 		if sorted[i].Record.Status == store.StatusCompleted {
 			p := packed[j]
-			resp := &store.Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
+			resp := &store.Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize, Sealed: p.sealed}
 			if f.WithResponse {
 				// A copy: a packed response never changes once stored.
 				var err error

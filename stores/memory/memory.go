@@ -407,9 +407,9 @@ func (s *memoryRecords) Destruct() error {
 // map, its slices and strings, which with a large store was most of a
 // first execution's collection cost.
 type packedResponse struct {
-	status     int
-	replayable bool
-	bodySize   int64
+	status             int
+	replayable, sealed bool
+	bodySize           int64
 	// headers is as store.EncodeHeaders encodes them, nil for none.
 	headers []byte
 	// body is the recorded body itself, not a copy (Store.Complete: the
@@ -422,7 +422,7 @@ type packedResponse struct {
 // packResponse packs r's headers, as the Postgres store encodes them
 // too, and keeps its body.
 func packResponse(r *store.Response) packedResponse {
-	p := packedResponse{status: r.Status, replayable: r.Replayable, bodySize: r.BodySize, body: store.KeptBody(r.Body)}
+	p := packedResponse{status: r.Status, replayable: r.Replayable, sealed: r.Sealed, bodySize: r.BodySize, body: store.KeptBody(r.Body)}
 	if len(r.Header) > 0 {
 		p.headers = store.EncodeHeaders(r.Header)
 	}
@@ -433,14 +433,17 @@ func packResponse(r *store.Response) packedResponse {
 // own, never changed once stored, so it is shared rather than copied: a
 // replay of a large body would otherwise copy all of it to write it once.
 func (p packedResponse) unpack() (*store.Response, error) {
-	r := &store.Response{Status: p.status, Replayable: p.replayable, BodySize: p.bodySize}
+	r := &store.Response{Status: p.status, Replayable: p.replayable, Sealed: p.sealed, BodySize: p.bodySize}
 	if p.body != nil {
 		// Capacity ends at the body's end: an append reallocates.
 		r.Body = p.body[:len(p.body):len(p.body)]
 	}
-	if p.headers == nil {
+	if p.headers == nil && !p.sealed {
 		// As a store's answer has it: a map, if an empty one.
 		r.Header = http.Header{}
+		return r, nil
+	}
+	if p.sealed {
 		return r, nil
 	}
 	var err error

@@ -113,7 +113,7 @@ func (s *Store) Complete(ctx context.Context, key store.RecordKey, token store.L
 		}
 	}
 	err := s.execOwned(ctx, s.completes, ownedRequest{key: key, token: token, resp: &completion{
-		status: int32(resp.Status), headers: store.EncodeHeaders(resp.Header), body: body,
+		status: int32(resp.Status), headers: store.EncodeResponseHeaders(resp), body: body,
 		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
 	}})
 	if permanentError(err) {

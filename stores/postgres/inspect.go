@@ -18,7 +18,9 @@ func (s *Store) StoreName() (name, backend, table, database string) {
 }
 
 func (s *Store) InspectRecords(ctx context.Context, f store.RecordFilter) ([]store.InspectedRecord, error) {
-	response := `NULL::bytea, NULL::bytea`
+	// Without the response, the headers' column only where it is the
+	// one-byte mark of a sealed response (store.EncodeResponseHeaders).
+	response := `CASE WHEN octet_length(response_header_bytes) = 1 THEN response_header_bytes END, NULL::bytea`
 	if f.WithResponse {
 		response = `COALESCE(response_header_bytes, convert_to(response_headers::text, 'UTF8')), response_body`
 	}
@@ -30,7 +32,7 @@ func (s *Store) InspectRecords(ctx context.Context, f store.RecordFilter) ([]sto
 	}
 	var out []store.InspectedRecord
 	for _, p := range prefixes {
-		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, status, method, path, created_at, expires_at,
+		rows, err := s.pool.Query(ctx, `SELECT credential_hash, key, fingerprint, status, method, path, created_at, expires_at,
 	expires_at <= now(), lease_ends <= now(), lease_ends, now(),
 	(extract(epoch FROM expires_at - now()) * 1000000)::bigint,
 	locked_at, locked_until, response_status, replayable, response_size,
@@ -69,7 +71,7 @@ LIMIT $5`, p, prefixEnd(p), f.Key, f.KeyPrefix, f.Limit, f.LockTimeout.Microseco
 func scanInspected(row pgx.CollectableRow) (store.InspectedRecord, error) {
 	var (
 		ir                     store.InspectedRecord
-		credHash               []byte
+		credHash, fingerprint  []byte
 		status                 string
 		ttl                    int64
 		lockedAt, lockedUntil  *time.Time
@@ -81,13 +83,14 @@ func scanInspected(row pgx.CollectableRow) (store.InspectedRecord, error) {
 		storedBody, storedHdrs *int32
 		respHeaders, respBody  []byte
 	)
-	err := row.Scan(&credHash, &ir.Key.Key, &status, &ir.Record.Method, &ir.Record.Path, &ir.Record.CreatedAt, &ir.Record.ExpiresAt,
+	err := row.Scan(&credHash, &ir.Key.Key, &fingerprint, &status, &ir.Record.Method, &ir.Record.Path, &ir.Record.CreatedAt, &ir.Record.ExpiresAt,
 		&ir.Expired, &leaseEnded, &leaseEnds, &ir.Now, &ttl, &lockedAt, &lockedUntil, &respStatus, &replayable, &respSize,
 		&storedBody, &storedHdrs, &respHeaders, &respBody)
 	if err != nil {
 		return ir, err
 	}
 	copy(ir.Key.CredentialHash[:], credHash)
+	copy(ir.Record.Fingerprint[:], fingerprint)
 	ir.LeaseEnded = leaseEnded != nil && *leaseEnded
 	if leaseEnds != nil {
 		ir.LeaseEnds = leaseEnds.UTC()
@@ -106,7 +109,7 @@ func scanInspected(row pgx.CollectableRow) (store.InspectedRecord, error) {
 	}
 	resp := storedResponse(respStatus, replayable, respSize, respBody)
 	if respHeaders != nil {
-		if resp.Header, err = store.DecodeHeaders(respHeaders); err != nil {
+		if err = store.DecodeResponseHeaders(respHeaders, resp); err != nil {
 			return ir, fmt.Errorf("decoding stored response headers: %w", err)
 		}
 	}

@@ -121,8 +121,7 @@ func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcqui
 		}
 		if rec.Status == store.StatusCompleted {
 			resp := storedResponse(respStatus, replayable, respSize, respBody)
-			var err error
-			if resp.Header, err = store.DecodeHeaders(respHeaders); err != nil {
+			if err := store.DecodeResponseHeaders(respHeaders, resp); err != nil {
 				c.err = fmt.Errorf("decoding stored response headers: %w", err)
 				continue
 			}

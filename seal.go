@@ -1,0 +1,256 @@
+package idempotency
+
+// Sealed records: a completed response kept encrypted at rest, under a
+// key that only a request with the caller's credential derives. Whoever
+// holds the database, its backups and its _secret table, but not the
+// caller's credential, reads no response; a record copied under another
+// key or tenant, or with its columns changed, does not open.
+//
+// A record's key is HKDF-SHA256 (RFC 5869): extracted from the raw
+// credential (or the route's scope) with a salt that the credential
+// secret keys, then expanded with the record's Idempotency-Key. The
+// stored credential_hash is an HMAC of the credential under the secret
+// itself, a key that no step of this derivation uses, so it gives no
+// way to the record's key. The raw credential is read, extracted and
+// dropped in step 2 (identifyCaller), as it is hashed there.
+//
+// The handler seals (it alone holds the credential) below its replay
+// cache, which holds opened responses: sealingStore, in the chain that
+// wrapStore builds, seals what Complete stores and opens what Acquire
+// finds, with the request's sealer, which the request's store calls
+// carry in their context.
+
+import (
+	"context"
+	"crypto/aes"
+	"crypto/cipher"
+	"crypto/hkdf"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/caddy-idempotency/idempotency/store"
+	"go.uber.org/zap"
+)
+
+// The labels that keep the derivation's keys apart from every other use
+// of the secret and of the credential.
+const (
+	// sealSaltLabel, under the credential secret, is HKDF's salt.
+	sealSaltLabel = "caddy-idempotency seal salt v1"
+	// sealKeyInfo, followed by the Idempotency-Key, is HKDF's info.
+	sealKeyInfo = "caddy-idempotency record key v1\x00"
+	// sealADLabel starts the associated data of every sealed record.
+	sealADLabel = "caddy-idempotency sealed record v1\x00"
+)
+
+// sealFormat is the first byte of a sealed body: the format of what
+// follows, the nonce then AES-256-GCM's ciphertext and tag.
+const sealFormat = 0x01
+
+const (
+	sealNonceSize = 12 // GCM's standard nonce: random per sealing
+	sealTagSize   = 16
+	sealOverhead  = 1 + sealNonceSize + sealTagSize
+)
+
+// errRecordUnreadable is the error of an Acquire that found a sealed
+// record its request cannot open: sealed under another credential, or
+// changed or moved since it was sealed.
+var errRecordUnreadable = errors.New("the stored record cannot be opened with this request's credential")
+
+// sealSalt is HKDF's salt for a credential secret.
+func sealSalt(secret []byte) []byte {
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte(sealSaltLabel))
+	return m.Sum(nil)
+}
+
+// sealer seals and opens the record of one request.
+type sealer struct {
+	// prk is HKDF's pseudorandom key, extracted from the caller's raw
+	// credential (or the route's scope) under the seal salt.
+	prk [32]byte
+	// table is the records' canonical name (sealTable), fp the
+	// request's fingerprint: both are bound to what it seals.
+	table string
+	fp    [32]byte
+	// seal: Complete seals the response. Without it, the sealer only
+	// opens (seal off, in front of a shared store).
+	seal bool
+}
+
+// aead returns the AEAD of the record of key.
+func (s *sealer) aead(key string) (cipher.AEAD, error) {
+	k, err := hkdf.Expand(sha256.New, s.prk[:], sealKeyInfo+key, 32)
+	if err != nil {
+		return nil, err
+	}
+	block, err := aes.NewCipher(k)
+	if err != nil {
+		return nil, err
+	}
+	return cipher.NewGCM(block)
+}
+
+// sealAD is the associated data of a sealed record: what the record is
+// bound to. Expiry and lock columns change and are left out; each
+// variable part is prefixed by its length, so that no two records' data
+// run together alike.
+func sealAD(table string, rk store.RecordKey, fp [32]byte, status int, replayable bool) []byte {
+	ad := make([]byte, 0, len(sealADLabel)+1+2*binary.MaxVarintLen64+len(table)+len(rk.Key)+64+binary.MaxVarintLen64+1)
+	ad = append(ad, sealADLabel...)
+	ad = append(ad, sealFormat)
+	ad = binary.AppendUvarint(ad, uint64(len(table)))
+	ad = append(ad, table...)
+	ad = append(ad, rk.CredentialHash[:]...)
+	ad = binary.AppendUvarint(ad, uint64(len(rk.Key)))
+	ad = append(ad, rk.Key...)
+	ad = append(ad, fp[:]...)
+	ad = binary.AppendUvarint(ad, uint64(status))
+	if replayable {
+		ad = append(ad, 1)
+	} else {
+		ad = append(ad, 0)
+	}
+	return ad
+}
+
+// sealResponse returns resp sealed for the record of rk: a new Response,
+// so that resp (the recorder's buffer, which the replay cache may hold)
+// is never written over. A response that is not replayable keeps no body
+// and no headers, which are never replayed.
+func (s *sealer) sealResponse(rk store.RecordKey, resp *store.Response) (*store.Response, error) {
+	sealed := &store.Response{Status: resp.Status, Replayable: resp.Replayable, BodySize: resp.BodySize, Sealed: true}
+	if !resp.Replayable {
+		return sealed, nil
+	}
+	aead, err := s.aead(rk.Key)
+	if err != nil {
+		return nil, err
+	}
+	headers := store.EncodeHeaders(resp.Header)
+	plain := make([]byte, 0, binary.MaxVarintLen64+len(headers)+len(resp.Body))
+	plain = binary.AppendUvarint(plain, uint64(len(headers)))
+	plain = append(plain, headers...)
+	plain = append(plain, resp.Body...)
+	blob := make([]byte, 1+sealNonceSize, len(plain)+sealOverhead)
+	blob[0] = sealFormat
+	nonce := blob[1:]
+	_, _ = rand.Read(nonce) // crypto/rand.Read never returns an error
+	sealed.Body = aead.Seal(blob, nonce, plain, sealAD(s.table, rk, s.fp, resp.Status, resp.Replayable))
+	return sealed, nil
+}
+
+// open returns the response of rec, sealed for the record of rk, opened.
+// Its fingerprint is the record's own: a retry opens the record of the
+// request it repeats, and is told afterwards whether it is the same.
+func (s *sealer) open(rk store.RecordKey, rec *store.Record) (*store.Response, error) {
+	sealed := rec.Response
+	resp := &store.Response{Status: sealed.Status, Replayable: sealed.Replayable, BodySize: sealed.BodySize}
+	if !sealed.Replayable {
+		resp.Header = map[string][]string{}
+		return resp, nil
+	}
+	blob := sealed.Body
+	if len(blob) < sealOverhead || blob[0] != sealFormat {
+		return nil, fmt.Errorf("%w: not a sealed body of a known format", errRecordUnreadable)
+	}
+	aead, err := s.aead(rk.Key)
+	if err != nil {
+		return nil, err
+	}
+	plain, err := aead.Open(nil, blob[1:1+sealNonceSize], blob[1+sealNonceSize:],
+		sealAD(s.table, rk, rec.Fingerprint, sealed.Status, sealed.Replayable))
+	if err != nil {
+		return nil, errRecordUnreadable
+	}
+	n, w := binary.Uvarint(plain)
+	if w <= 0 || n > uint64(len(plain)-w) {
+		return nil, fmt.Errorf("%w: malformed sealed headers", errRecordUnreadable)
+	}
+	if resp.Header, err = store.DecodeHeaders(plain[w : w+int(n)]); err != nil {
+		return nil, fmt.Errorf("%w: %w", errRecordUnreadable, err)
+	}
+	// The body's capacity ends at its end: an append reallocates.
+	resp.Body = plain[w+int(n) : len(plain) : len(plain)]
+	return resp, nil
+}
+
+// unreadable answers q, whose record is sealed and does not open with its
+// credential (err says why): never executed again, since the request may
+// have run, and logged as an error, since a record that does not open
+// was sealed under another secret or changed in the store.
+func (h *Handler) unreadable(q *request, err error) error {
+	h.logger.Error("idempotency.record_unreadable", q.fields(zap.Error(err))...)
+	return h.answer(q, verdict{result: resultUnreadable, prob: probRecordUnreadable})
+}
+
+// sealTable is the canonical name of the records that st holds, bound
+// to what is sealed in them: "postgres:public.idempotency_keys" for the
+// table idempotency_keys, named with its schema or without.
+func sealTable(st store.Store) string {
+	named, ok := store.As[store.Named](st)
+	if !ok {
+		return ""
+	}
+	_, backend, table, _ := named.StoreName()
+	if table != "" && !strings.Contains(table, ".") && backend == "postgres" {
+		table = "public." + table
+	}
+	return backend + ":" + table
+}
+
+// sealerKey is the context key of a request's sealer.
+type sealerKey struct{}
+
+// withSealer returns ctx carrying s for the store calls made under it.
+func withSealer(ctx context.Context, s *sealer) context.Context {
+	if s == nil {
+		return ctx
+	}
+	return context.WithValue(ctx, sealerKey{}, s)
+}
+
+// sealingStore seals the responses that Complete stores and opens the
+// sealed records that Acquire finds, with the sealer of the call's
+// context. A sealed record without a sealer to open it is unreadable:
+// it is never replayed as its sealed bytes.
+type sealingStore struct{ store.Store }
+
+func (s sealingStore) Unwrap() store.Store { return s.Store }
+
+func (s sealingStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
+	res, err := s.Store.Acquire(ctx, req)
+	if err != nil || res.Record == nil || res.Record.Response == nil || !res.Record.Response.Sealed {
+		return res, err
+	}
+	sl, _ := ctx.Value(sealerKey{}).(*sealer)
+	if sl == nil {
+		return store.AcquireResult{}, fmt.Errorf("%w: this handler does not open sealed records", errRecordUnreadable)
+	}
+	resp, err := sl.open(req.Key, res.Record)
+	if err != nil {
+		return store.AcquireResult{}, err
+	}
+	rec := *res.Record
+	rec.Response = resp
+	res.Record = &rec
+	return res, nil
+}
+
+func (s sealingStore) Complete(ctx context.Context, key store.RecordKey, token store.LockToken, resp *store.Response, retention time.Duration) error {
+	if sl, _ := ctx.Value(sealerKey{}).(*sealer); sl != nil && sl.seal {
+		sealed, err := sl.sealResponse(key, resp)
+		if err != nil {
+			return err
+		}
+		resp = sealed
+	}
+	return s.Store.Complete(ctx, key, token, resp, retention)
+}

@@ -1,0 +1,264 @@
+package idempotency
+
+import (
+	"bytes"
+	"encoding/hex"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/caddy-idempotency/idempotency/internal/pgtest"
+	"github.com/caddy-idempotency/idempotency/store"
+	"github.com/caddy-idempotency/idempotency/stores/postgres"
+)
+
+// storeRowsText is every row of sb's tables (its records, its _secret
+// and _primaries, the migrations' bookkeeping) as Postgres writes a row
+// as text, bytea in hex: what a copy of the database shows.
+func storeRowsText(t *testing.T, sb storeBackend) string {
+	t.Helper()
+	var all strings.Builder
+	tables := pgtest.Query(t, sb.DSN, `SELECT quote_ident(tablename) FROM pg_tables
+		WHERE schemaname = current_schema() AND (tablename LIKE $1 || '%' OR tablename = $2)`, sb.Table, postgres.MigrationsTable)
+	for _, tr := range tables {
+		for _, row := range pgtest.Query(t, sb.DSN, `SELECT r::text FROM `+tr[0]+` AS r`) {
+			fmt.Fprintln(&all, row[0])
+		}
+	}
+	return all.String()
+}
+
+// readable reports which of the secrets text shows, as they are or in
+// hex (bytea's output).
+func readable(text string, secrets ...string) []string {
+	var found []string
+	for _, s := range secrets {
+		if strings.Contains(text, s) || strings.Contains(text, hex.EncodeToString([]byte(s))) {
+			found = append(found, s)
+		}
+	}
+	return found
+}
+
+// A Postgres store's tables hold no byte of a response's body or
+// headers that reads without the caller's credential, and a retry on
+// another instance of the table replays it byte for byte. Catches a
+// record stored in the clear, or sealed where a second instance cannot
+// open it.
+func TestPostgresRecordsAreSealedAtRest(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	ports := [2]int{freeTCPPort(t), freeTCPPort(t)}
+	var sites string
+	for _, port := range ports {
+		sites += fmt.Sprintf("http://127.0.0.1:%d {\n\tidempotency {\n\t\t%s\n\t}\n\treverse_proxy %s\n}\n", port, sb.Block(), up.Addr())
+	}
+	srv := startCaddyfile(t, sites)
+	a, b := newSiteClient(t, srv, ports[0]), newSiteClient(t, srv, ports[1])
+
+	c := call{Key: newKey(), Body: payBody()}
+	first := a.Do(t, c)
+	wantExecuted(t, first, http.StatusCreated)
+	sized := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Size": "3000"}}
+	big := a.Do(t, sized)
+	wantExecuted(t, big, http.StatusCreated)
+	sb.waitCompleted(t, c.Key)
+	sb.waitCompleted(t, sized.Key)
+
+	text := storeRowsText(t, sb)
+	id := first.Header.Get("X-Execution-Id")
+	if found := readable(text, id, `"execution":`, "X-Multi", "/pay/"+id, "application/json",
+		string(big.Body[:64]), big.Header.Get("X-Execution-Id")); len(found) > 0 {
+		t.Fatalf("the store's tables show %q of the responses", found)
+	}
+	// The key and the status stay in the clear: operators find records
+	// by them.
+	if !strings.Contains(text, c.Key) || !strings.Contains(text, "201") {
+		t.Fatalf("the record of %s is not in the tables", c.Key)
+	}
+
+	wantReplayOf(t, b.Do(t, c), first)
+	wantReplayOf(t, a.Do(t, c), first)
+	wantReplayOf(t, b.Do(t, sized), big)
+	wantCount(t, up, 2)
+}
+
+// A sealed record copied under another key of the same tenant, or under
+// another tenant's record, does not open: the retry is answered 500
+// #record-unreadable, logged, and nothing executes again. Catches a
+// record bound to nothing but its credential, and an unreadable record
+// executed again.
+func TestSealedRecordCopiedElsewhereIsRefused(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	// Without the replay cache, which holds what this instance completed
+	// and would answer without a look at the table.
+	s := protectedSite(t, sb, up.Addr(), "replay_cache off")
+
+	source := call{Key: newKey(), Body: payBody()}
+	wantExecuted(t, s.Do(t, source), http.StatusCreated)
+	sameTenant := call{Key: newKey(), Body: payBody()}
+	wantExecuted(t, s.Do(t, sameTenant), http.StatusCreated)
+	otherTenant := call{Key: newKey(), Body: payBody(), Cred: "Bearer tenant-b"}
+	wantExecuted(t, s.Do(t, otherTenant), http.StatusCreated)
+	for _, k := range []string{source.Key, sameTenant.Key, otherTenant.Key} {
+		sb.waitCompleted(t, k)
+	}
+
+	table := pgtest.QuoteIdent(sb.Table)
+	for _, target := range []call{sameTenant, otherTenant} {
+		pgtest.Exec(t, sb.DSN, `UPDATE `+table+` AS t SET response_body = s.response_body,
+			response_header_bytes = s.response_header_bytes, response_status = s.response_status
+			FROM `+table+` AS s WHERE s.key = $1 AND t.key = $2`, source.Key, target.Key)
+		if p := wantProblem(t, s.Do(t, target), http.StatusInternalServerError); !strings.HasSuffix(p.Type, "#record-unreadable") {
+			t.Errorf("%s: problem type = %q", target.Key, p.Type)
+		}
+	}
+	wantCount(t, up, 3)
+
+	var lines int
+	for _, l := range s.moduleLogLines(t) {
+		if l["msg"] == "idempotency.record_unreadable" && l["level"] == "error" {
+			lines++
+		}
+	}
+	if lines != 2 {
+		t.Errorf("%d idempotency.record_unreadable error lines, want 2", lines)
+	}
+}
+
+// seal off stores in the clear, as before sealing, and a handler with
+// seal on replays such a record (records written before sealing); a
+// handler with seal off opens a sealed one (a rolling change of the
+// option). Catches a sealed-only reader, and seal off ignored.
+func TestSealOffStoresInTheClearAndEitherOpensBoth(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	on, off := freeTCPPort(t), freeTCPPort(t)
+	srv := startCaddyfile(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency {
+		%s
+		seal off
+	}
+	reverse_proxy %s
+}
+`, on, sb.Block(), up.Addr(), off, sb.Block(), up.Addr()))
+	sealed, clear := newSiteClient(t, srv, on), newSiteClient(t, srv, off)
+
+	plain := call{Key: newKey(), Body: payBody()}
+	first := clear.Do(t, plain)
+	wantExecuted(t, first, http.StatusCreated)
+	sb.waitCompleted(t, plain.Key)
+	if found := readable(storeRowsText(t, sb), first.Header.Get("X-Execution-Id")); len(found) == 0 {
+		t.Fatalf("seal off: the response is not in the clear")
+	}
+	wantReplayOf(t, sealed.Do(t, plain), first)
+
+	c := call{Key: newKey(), Body: payBody()}
+	second := sealed.Do(t, c)
+	wantExecuted(t, second, http.StatusCreated)
+	sb.waitCompleted(t, c.Key)
+	wantReplayOf(t, clear.Do(t, c), second)
+	wantCount(t, up, 2)
+}
+
+// The memory store seals with seal on, and replays byte for byte.
+func TestMemoryStoreSealOn(t *testing.T) {
+	up := newUpstream(t)
+	s := protectedSite(t, storeBackend{Name: "memory"}, up.Addr(), "seal on")
+	c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-Test-Extra": "1"}}
+	first := s.Do(t, c)
+	wantExecuted(t, first, http.StatusCreated)
+	wantReplayOf(t, s.Do(t, c), first)
+	wantCount(t, up, 1)
+}
+
+// What a sealed record is bound to: opened with anything else, it does
+// not open. Sealing leaves the response it seals as it was (the replay
+// cache may hold it), and seals it afresh each time.
+func TestSealBindsTheRecord(t *testing.T) {
+	hasher := secretHasher(bytes.Repeat([]byte("s"), 32))
+	sl := &sealer{prk: hasher.seal.hash("Bearer tenant-a"), table: "postgres:public.keys", fp: [32]byte{1}, seal: true}
+	rk := store.RecordKey{CredentialHash: hasher.hash("Bearer tenant-a"), Key: "k1"}
+	resp := &store.Response{Status: 201, Header: http.Header{"X-A": {"1"}}, Body: []byte(`{"secret":"x"}`), Replayable: true, BodySize: 14}
+	body := bytes.Clone(resp.Body)
+	sealed, err := sl.sealResponse(rk, resp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, _ := sl.sealResponse(rk, resp)
+	if !bytes.Equal(resp.Body, body) || len(resp.Header) != 1 {
+		t.Fatal("sealing changed the response it sealed")
+	}
+	if bytes.Equal(sealed.Body, again.Body) {
+		t.Fatal("two sealings of one response are alike: the nonce is not fresh")
+	}
+	if bytes.Contains(sealed.Body, body) || sealed.Header != nil || !sealed.Sealed {
+		t.Fatalf("sealed = %+v", sealed)
+	}
+	rec := func(r *store.Response) *store.Record { return &store.Record{Fingerprint: sl.fp, Response: r} }
+	opened, err := sl.open(rk, rec(sealed))
+	if err != nil || !bytes.Equal(opened.Body, body) || opened.Header.Get("X-A") != "1" || opened.Status != 201 {
+		t.Fatalf("open = %+v, %v", opened, err)
+	}
+
+	otherTenant := *sl
+	otherTenant.prk = hasher.seal.hash("Bearer tenant-b")
+	otherTable := *sl
+	otherTable.table = "postgres:public.other"
+	otherKey := rk
+	otherKey.Key = "k2"
+	otherHash := rk
+	otherHash.CredentialHash[0] ^= 1
+	status := *sealed
+	status.Status = 200
+	unreplayable := *sealed
+	unreplayable.Replayable = false
+	for name, tc := range map[string]struct {
+		sl  *sealer
+		rk  store.RecordKey
+		rec *store.Record
+	}{
+		"another tenant's credential": {&otherTenant, rk, rec(sealed)},
+		"another table":               {&otherTable, rk, rec(sealed)},
+		"another key":                 {sl, otherKey, rec(sealed)},
+		"another credential hash":     {sl, otherHash, rec(sealed)},
+		"another fingerprint":         {sl, rk, &store.Record{Fingerprint: [32]byte{2}, Response: sealed}},
+		"another status":              {sl, rk, rec(&status)},
+	} {
+		if _, err := tc.sl.open(tc.rk, tc.rec); err == nil {
+			t.Errorf("%s: the record opened", name)
+		}
+	}
+	// A record marked not replayable has nothing to open: nothing of
+	// the sealed body is given out.
+	if r, err := sl.open(rk, rec(&unreplayable)); err != nil || r.Body != nil || len(r.Header) != 0 {
+		t.Errorf("not replayable: %+v, %v", r, err)
+	}
+}
+
+// openedBody is the body of a sealed record of sb, as a request with the
+// credential cred opens it (fpHex: its fingerprint column, in hex).
+func openedBody(t testing.TB, sb storeBackend, cred, key, fpHex string, status int, replayable bool, sealedBody []byte) []byte {
+	t.Helper()
+	hasher := secretHasher(storeSecret(t, sb))
+	fp, err := hex.DecodeString(fpHex)
+	if err != nil || len(fp) != 32 {
+		t.Fatalf("fingerprint %q", fpHex)
+	}
+	sl := &sealer{prk: hasher.seal.hash(cred), table: "postgres:public." + sb.Table}
+	rk := store.RecordKey{CredentialHash: hasher.hash(cred), Key: key}
+	resp, err := sl.open(rk, &store.Record{Fingerprint: [32]byte(fp),
+		Response: &store.Response{Status: status, Replayable: replayable, Body: sealedBody, Sealed: true}})
+	if err != nil {
+		t.Fatalf("opening the record of %s: %v", key, err)
+	}
+	return resp.Body
+}
