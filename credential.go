@@ -86,6 +86,26 @@ func credentialSource(credentialHeader, credential string) string {
 	return name
 }
 
+// credentialSourceLabel names where a handler reads its credential from,
+// for the fingerprint (requestHead.Source): "" for the Authorization
+// header, the default, whose fingerprints stay as they were before the
+// source took part; the header, or the placeholder that reads none,
+// otherwise. A scope's hashes are apart from every credential's already.
+// Records are then shared only by handlers that read the caller alike:
+// the user id "alice" from {http.auth.user.id} on one site is not the
+// request of a client that sends "Authorization: alice" to another.
+func credentialSourceLabel(scope, credHeader, credential string) string {
+	switch {
+	case scope != "":
+		return ""
+	case credHeader == "":
+		return "placeholder " + credential
+	case http.CanonicalHeaderKey(credHeader) == "Authorization":
+		return ""
+	}
+	return "header " + http.CanonicalHeaderKey(credHeader)
+}
+
 // hasPlaceholder reports whether s holds a {placeholder}, as Caddy's
 // replacer sees one (a brace escaped with a backslash is not one).
 func hasPlaceholder(s string) bool {

@@ -701,3 +701,42 @@ func TestCredentialMissingChallenges(t *testing.T) {
 	}
 	wantCount(t, up, 0)
 }
+
+// Handlers that share records share callers only where they read the
+// credential alike: a user id read from one site's X-User, sent as the
+// Authorization of another site of the store, is not that user, and
+// gets no replay of the user's response. Catches a credential hashed
+// without its source, which handed alice's stored response to whoever
+// sent "Authorization: alice" to a sibling site.
+func TestCredentialSourcesDoNotShareCallers(t *testing.T) {
+	eachStore(t, func(t *testing.T, sb storeBackend) {
+		up := newUpstream(t)
+		a, b := freeTCPPort(t), freeTCPPort(t)
+		srv := startCaddyfile(t, fmt.Sprintf(`http://127.0.0.1:%d {
+	idempotency {
+		%s
+		credential {http.request.header.X-User}
+	}
+	reverse_proxy %s
+}
+http://127.0.0.1:%d {
+	idempotency {
+		%s
+	}
+	reverse_proxy %s
+}
+`, a, sb.Block(), up.Addr(), b, sb.Block(), up.Addr()))
+		victim, other := newSiteClient(t, srv, a), newSiteClient(t, srv, b)
+		c := call{Key: newKey(), Body: payBody(), Header: map[string]string{"X-User": "alice"}}
+		wantExecuted(t, victim.Do(t, c), http.StatusCreated)
+		if sb.Name == "postgres" {
+			sb.waitCompleted(t, c.Key)
+		}
+		r := other.Do(t, call{Key: c.Key, Body: c.Body, Cred: "alice"})
+		if r.replayed() || r.Status == http.StatusCreated {
+			t.Fatalf("Authorization: alice on another site got alice's response: %s", r)
+		}
+		wantProblem(t, r, http.StatusConflict)
+		wantCount(t, up, 1)
+	})
+}

@@ -58,6 +58,11 @@ type requestHead struct {
 	// that order: frameworks run the method they name instead of the
 	// request's.
 	Override [len(methodOverrideHeaders)][]string
+	// Source is where the handler reads the credential from
+	// (credentialSourceLabel): a user id read from a placeholder on one
+	// site and the same string sent as Authorization to another site of
+	// the store hash alike, and must not be one caller's request.
+	Source string
 }
 
 // methodOverrideHeaders are the headers with which common frameworks
@@ -119,6 +124,7 @@ const (
 	trailers    byte = 't' // the trailers, before the body's tag
 	encoding    byte = 'e' // the Content-Encoding fields, after the trailers
 	override    byte = 'o' // the method override fields, after the encoding
+	source      byte = 's' // the credential's source, after the overrides
 	bodyCanon   byte = 'c' // the body's canonical JSON form follows
 	bodyRaw     byte = 'b' // the body's bytes follow
 )
@@ -175,6 +181,9 @@ func fingerprint(h requestHead, body []byte) [32]byte {
 	buf = appendTrailers(buf, h.Trailer)
 	buf = appendValues(buf, encoding, h.ContentEncoding)
 	buf = appendOverride(buf, h.Override)
+	if h.Source != "" {
+		buf = appendField(append(buf, source), h.Source)
+	}
 	canonical := false
 	if len(h.ContentType) == 1 && isJSONContentType(h.ContentType[0]) {
 		buf, canonical = s.canon.Append(append(buf, bodyCanon), body, s.hash)

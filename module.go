@@ -231,8 +231,9 @@ type Handler struct {
 	metrics   handlerMetrics
 	credKey   *credentialKey
 	// credHeader is the header that the credential is read from
-	// (credentialSource), or "" for a placeholder that reads none.
-	credHeader string
+	// (credentialSource), or "" for a placeholder that reads none;
+	// credSource names it for the fingerprint (credentialSourceLabel).
+	credHeader, credSource string
 	// challenge is the WWW-Authenticate of a 401 (authChallenge).
 	challenge string
 	// words rewords the problems that name a header, for handlers with
@@ -317,6 +318,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		h.methods[strings.ToUpper(m)] = struct{}{}
 	}
 	h.credHeader = credentialSource(h.CredentialHeader, h.Credential)
+	h.credSource = credentialSourceLabel(h.Scope, h.credHeader, h.Credential)
 	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
 	for _, name := range append(append([]string{h.CredentialHeader, h.credHeader}, alwaysExcluded...), h.ExcludeHeaders...) {
 		if name == "" {

@@ -128,7 +128,9 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 
 	// 4. Fingerprint.
-	q.fp = fingerprint(headOf(r), body)
+	head := headOf(r)
+	head.Source = h.credSource
+	q.fp = fingerprint(head, body)
 	if sl != nil {
 		sl.fp = q.fp
 	}
