@@ -5,9 +5,9 @@ package idempotency
 // reach, under the same selectors as the CLI.
 //
 //	GET  /idempotency/stores
-//	GET  /idempotency/records?store=&key=|key_prefix=&credential_id=&limit=&body=1
-//	POST /idempotency/records   {"store", "key"|"key_prefix", "credential_id"|"credential", "limit", "body"}
-//	POST /idempotency/release   {"store", "key", "credential_id"|"credential", "force"}
+//	GET  /idempotency/records?store=&key=|key_prefix=&credential_id=|scope=&limit=&body=1
+//	POST /idempotency/records   {"store", "key"|"key_prefix", "credential_id"|"credential"|"scope", "limit", "body"}
+//	POST /idempotency/release   {"store", "key", "credential_id"|"credential"|"scope", "force"}
 //
 // A raw credential is accepted in a POST body only: Caddy's admin API
 // logs the URI and the headers of every request it receives.
@@ -206,6 +206,7 @@ type adminSelector struct {
 	KeyPrefix    string `json:"key_prefix"`
 	CredentialID string `json:"credential_id"`
 	Credential   string `json:"credential"`
+	Scope        string `json:"scope"`
 	Limit        int    `json:"limit"`
 	Body         bool   `json:"body"`
 	Force        bool   `json:"force"`
@@ -240,12 +241,12 @@ func parseAdminSelector(r *http.Request) (adminSelector, error) {
 	}
 	for name := range q {
 		switch name {
-		case "store", "key", "key_prefix", "credential_id", "limit", "body", "force":
+		case "store", "key", "key_prefix", "credential_id", "scope", "limit", "body", "force":
 		default:
 			return sel, adminError(http.StatusBadRequest, fmt.Errorf("unknown parameter %q", name))
 		}
 	}
-	sel.Store, sel.Key, sel.KeyPrefix, sel.CredentialID = q.Get("store"), q.Get("key"), q.Get("key_prefix"), q.Get("credential_id")
+	sel.Store, sel.Key, sel.KeyPrefix, sel.CredentialID, sel.Scope = q.Get("store"), q.Get("key"), q.Get("key_prefix"), q.Get("credential_id"), q.Get("scope")
 	if v := q.Get("limit"); v != "" {
 		if sel.Limit, err = strconv.Atoi(v); err != nil {
 			return sel, adminError(http.StatusBadRequest, fmt.Errorf("limit %q: not a number", v))
@@ -298,8 +299,20 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, store.Record
 		f.KeyPrefix = sel.KeyPrefix
 	}
 	switch {
-	case sel.CredentialID != "" && sel.Credential != "":
-		return nil, f, adminError(http.StatusBadRequest, errors.New("give credential_id or credential, not both"))
+	case sel.CredentialID != "" && sel.Credential != "" || (sel.CredentialID != "" || sel.Credential != "") && sel.Scope != "":
+		return nil, f, adminError(http.StatusBadRequest, errors.New("give one of credential_id, credential and scope"))
+	case sel.Scope != "":
+		// A webhook route's scope, hashed as each handler hashes it.
+		for _, u := range st.users {
+			hasher, err := u.h.credKey.get(ctx)
+			if err != nil {
+				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
+			}
+			sum := scopeHash(hasher, sel.Scope)
+			if !slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
+				f.CredentialPrefixes = append(f.CredentialPrefixes, sum[:])
+			}
+		}
 	case sel.CredentialID != "":
 		prefix, err := parseCredentialID(sel.CredentialID)
 		if err != nil {
@@ -405,8 +418,8 @@ func (a *adminAPI) release(ctx context.Context, w http.ResponseWriter, sel admin
 	if sel.Key == "" || sel.KeyPrefix != "" {
 		return adminError(http.StatusBadRequest, errors.New("release needs key (not key_prefix)"))
 	}
-	if sel.CredentialID == "" && sel.Credential == "" {
-		return adminError(http.StatusBadRequest, errors.New("release needs credential_id (as the log lines print it) or credential"))
+	if sel.CredentialID == "" && sel.Credential == "" && sel.Scope == "" {
+		return adminError(http.StatusBadRequest, errors.New("release needs credential_id (as the log lines print it), credential or scope"))
 	}
 	st, f, err := sel.resolve(ctx)
 	if err != nil {

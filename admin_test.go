@@ -101,19 +101,20 @@ func (a adminClient) wantStatus(method, path string, body any, status int, conta
 
 // startAdminSite starts Caddy with an admin endpoint and one protected
 // site on store sb.
-func startAdminSite(t *testing.T, sb storeBackend, up *upstream) (*site, adminClient, string) {
+func startAdminSite(t *testing.T, sb storeBackend, up *upstream, directives ...string) (*site, adminClient, string) {
 	t.Helper()
 	admin := fmt.Sprintf("127.0.0.1:%d", freeTCPPort(t))
 	port := freeTCPPort(t)
 	srv := startCaddyfileAdmin(t, fmt.Sprintf(`http://127.0.0.1:%d {
 	idempotency {
 		%s
+		%s
 	}
 	reverse_proxy %s {
 		flush_interval -1
 	}
 }
-`, port, sb.Block(), up.Addr()), admin)
+`, port, sb.Block(), strings.Join(directives, "\n\t\t"), up.Addr()), admin)
 	name := "memory"
 	if sb.Name == "postgres" {
 		name = "postgres:" + sb.Table

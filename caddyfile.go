@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-idempotency/idempotency/internal/webhooksig"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -64,6 +65,7 @@ func parseCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error)
 //	    key_json           <pointer>
 //	    store_status       <status...>
 //	    seal               on|off
+//	    webhook            stripe|github|standard|shopify <secret...>
 //	}
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
@@ -191,6 +193,15 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if _, err := parseStoreStatus(h.StoreStatus); err != nil {
 				return d.Errf("idempotency: %v", err)
 			}
+		case "webhook":
+			args := d.RemainingArgs()
+			if len(args) < 2 {
+				return d.Errf("idempotency: webhook needs its provider (%s) and its signing secret, such as {env.STRIPE_WEBHOOK_SECRET}", strings.Join(webhooksig.Names(), ", "))
+			}
+			if _, ok := webhooksig.Senders[args[0]]; !ok {
+				return d.Errf("idempotency: unknown webhook provider %q (want one of %s)", args[0], strings.Join(webhooksig.Names(), ", "))
+			}
+			h.Webhook = &WebhookConfig{Provider: args[0], Secrets: args[1:]}
 		case "seal":
 			var arg string
 			if !d.AllArgs(&arg) {

@@ -62,7 +62,8 @@ A credential is named by --credential-id, the hex prefix of its keyed hash
 that the handler's log lines print as credential_id, or by --credential, its
 raw value (for example "Bearer sk_live_..."), which is hashed here and sent
 nowhere, under the table's stored secret, or under --credential-secret when
-the handlers are configured with credential_secret.
+the handlers are configured with credential_secret. A webhook route's records
+are named by --scope, its scope (by default its webhook provider's name).
 
 Exit codes: 0 done; 1 error (database unreachable, or the change refused);
 2 usage error (nothing was done); 3 no such record (inspect, release).`,
@@ -168,7 +169,7 @@ table at the moment, this one says so and does nothing.`,
 
 func cliInspectCmd() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "inspect --key <key> --credential-id <hex> | --credential <value>",
+		Use:   "inspect --key <key> --credential-id <hex> | --credential <value> | --scope <name>",
 		Short: "Shows the record of a key for a credential",
 		Long: `Shows the record of a key for a credential: its status, the request it
 belongs to, when it was created and expires, and its response's status and
@@ -224,7 +225,7 @@ record of the key whose credential hash starts with it is shown.`,
 
 func cliReleaseCmd() *cobra.Command {
 	cmd := &cobra.Command{
-		Use:   "release --key <key> --credential-id <hex> | --credential <value> [--force]",
+		Use:   "release --key <key> --credential-id <hex> | --credential <value> | --scope <name> [--force]",
 		Short: "Deletes a stuck in-progress record, so that its key can be retried",
 		Long: `Deletes the in-progress record of a key for a credential whose owner is
 gone, so that the client's next request with that key executes at once. It
@@ -262,7 +263,8 @@ func cliTargetFlags(cmd *cobra.Command) {
 	cmd.Flags().String("key", "", "the Idempotency-Key, as the client sent it")
 	cmd.Flags().String("credential-id", "", "the credential_id of the log lines: a hex prefix of the credential's keyed hash, 12 to 64 digits")
 	cmd.Flags().String("credential", "", "the raw credential (e.g. the Authorization value), or - to read it from stdin; hashed here, sent nowhere")
-	cmd.Flags().String("credential-secret", "", "with --credential: the handlers' credential_secret, if they have one (placeholders such as {env.IDEMPOTENCY_SECRET} work); default: the table's stored secret")
+	cmd.Flags().String("scope", "", "the scope of a webhook route (its scope, or its webhook provider's name), instead of a credential")
+	cmd.Flags().String("credential-secret", "", "with --credential or --scope: the handlers' credential_secret, if they have one (placeholders such as {env.IDEMPOTENCY_SECRET} work); default: the table's stored secret")
 }
 
 // cliTarget names the records of one key whose credential hash starts
@@ -274,7 +276,9 @@ type cliTarget struct {
 	id     string // the prefix as the operator wrote it, for messages
 
 	credential string
-	secret     []byte
+	// scope names a webhook route's records instead of a credential.
+	scope  string
+	secret []byte
 }
 
 func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
@@ -286,10 +290,13 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 	if err != nil {
 		return cliTarget{}, fmt.Errorf("--key: %v", err)
 	}
-	id, credential := fl.String("credential-id"), fl.String("credential")
+	id, credential, scope := fl.String("credential-id"), fl.String("credential"), fl.String("scope")
 	switch {
-	case id != "" && credential != "":
-		return cliTarget{}, errors.New("give --credential-id or --credential, not both")
+	case (id != "") && (credential != "") || (id != "" || credential != "") && scope != "":
+		return cliTarget{}, errors.New("give one of --credential-id, --credential and --scope")
+	case scope != "":
+		credential = scope
+		fallthrough
 	case credential != "":
 		if credential == "-" {
 			// A secret on the command line ends up in the shell's
@@ -304,6 +311,9 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 			return cliTarget{}, errors.New("--credential: the credential is empty")
 		}
 		target := cliTarget{key: key, credential: credential}
+		if scope != "" {
+			target.credential, target.scope = "", scope
+		}
 		if raw := fl.String("credential-secret"); raw != "" {
 			secret, err := resolveCredentialSecret(raw)
 			if err != nil {
@@ -313,7 +323,7 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 		}
 		return target, nil
 	case fl.String("credential-secret") != "":
-		return cliTarget{}, errors.New("--credential-secret goes with --credential: a credential id is hashed already")
+		return cliTarget{}, errors.New("--credential-secret goes with --credential or --scope: a credential id is hashed already")
 	case id != "":
 		prefix, err := parseCredentialID(id)
 		if err != nil {
@@ -321,12 +331,12 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 		}
 		return cliTarget{key: key, prefix: prefix, id: strings.ToLower(id)}, nil
 	default:
-		return cliTarget{}, errors.New("--credential-id (as the log lines print it) or --credential is required")
+		return cliTarget{}, errors.New("--credential-id (as the log lines print it), --credential or --scope is required")
 	}
 }
 
 func (t cliTarget) notFound(table postgres.Table) error {
-	if t.credential != "" && t.secret == nil {
+	if (t.credential != "" || t.scope != "") && t.secret == nil {
 		return fmt.Errorf("%s: no record of key %q for credential id %s (hashed under the table's stored secret: if the handlers have credential_secret, pass it as --credential-secret)", table, t.key, t.id)
 	}
 	return fmt.Errorf("%s: no record of key %q for credential id %s", table, t.key, t.id)
@@ -334,7 +344,7 @@ func (t cliTarget) notFound(table postgres.Table) error {
 
 // hashCredential hashes a target's raw credential as the handlers do.
 func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
-	if t.credential == "" {
+	if t.credential == "" && t.scope == "" {
 		return nil
 	}
 	secret := t.secret
@@ -354,7 +364,11 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 		}
 		secret = stored
 	}
-	sum := newCredentialHasher(secret).hash(t.credential)
+	hasher := newCredentialHasher(secret)
+	sum := hasher.hash(t.credential)
+	if t.scope != "" {
+		sum = scopeHash(hasher, t.scope)
+	}
 	t.prefix, t.id = sum[:], credentialID(sum)
 	return nil
 }

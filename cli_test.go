@@ -225,7 +225,7 @@ func TestCLIUsageAndErrors(t *testing.T) {
 		{"no key", env, []string{"inspect", "--credential-id", id}, exitUsage, "--key is required"},
 		{"malformed key", env, []string{"inspect", "--key", "short", "--credential-id", id}, exitUsage, "--key"},
 		{"no credential", env, []string{"release", "--key", "abcdefgh"}, exitUsage, "--credential-id"},
-		{"both credentials", env, []string{"inspect", "--key", "abcdefgh", "--credential-id", id, "--credential", "x"}, exitUsage, "not both"},
+		{"both credentials", env, []string{"inspect", "--key", "abcdefgh", "--credential-id", id, "--credential", "x"}, exitUsage, "one of --credential-id, --credential and --scope"},
 		{"credential id not hex", env, []string{"inspect", "--key", "abcdefgh", "--credential-id", "xyzxyzxyzxyz"}, exitUsage, "hex digits"},
 		{"credential id too short", env, []string{"inspect", "--key", "abcdefgh", "--credential-id", "abcd"}, exitUsage, "hex digits"},
 		{"bad table", env, []string{"migrate", "--table", "x; DROP TABLE y"}, exitUsage, "--table"},

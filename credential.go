@@ -263,7 +263,7 @@ func (h *Handler) identify(r *http.Request, repl *caddy.Replacer, sl *sealer) (k
 	if h.keyPointer != nil {
 		return h.identifyCaller(r, repl, "", sl)
 	}
-	keyValues := keyValues(r.Header, h.KeyHeader)
+	keyValues := keyValues(r.Header, h.keyHeader(r))
 	if len(keyValues) == 0 {
 		if h.Optional {
 			return "", rk, nil, nil

@@ -174,7 +174,7 @@ func newHandlerMetrics(server string) handlerMetrics {
 func resultCounters(server string) map[string]prometheus.Counter {
 	m := make(map[string]prometheus.Counter)
 	for _, r := range []string{resultExecuted, resultReplayed, resultMismatch, resultInProgress,
-		resultRejected, resultReleased, resultStoreError, resultUnreadable, resultNoKey, resultFailOpen} {
+		resultRejected, resultReleased, resultStoreError, resultUnreadable, resultUnverified, resultNoKey, resultFailOpen} {
 		m[r] = requestsTotal.WithLabelValues(server, r)
 	}
 	return m

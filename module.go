@@ -201,6 +201,13 @@ type Handler struct {
 	// refused the request before running it (list them to store them).
 	StoreStatus []string `json:"store_status,omitempty"`
 
+	// A webhook sender whose signature every delivery must carry,
+	// verified before anything is recorded (verify.go): a delivery that
+	// does not verify gets 401 and reaches neither the store nor the
+	// upstream. It sets the sender's scope, key, store_status 2xx and
+	// retention, unless they are set.
+	Webhook *WebhookConfig `json:"webhook,omitempty"`
+
 	// Whether completed responses are sealed (seal.go): "on" encrypts
 	// them under a key derived from the caller's credential, which is
 	// never stored; "off" stores them as they are. A handler opens
@@ -258,6 +265,8 @@ type Handler struct {
 	// the records in what is sealed (seal.go).
 	sealing, opening bool
 	sealTable        string
+	// verifier verifies a webhook's deliveries (Webhook), or is nil.
+	verifier *webhookVerifier
 }
 
 // CaddyModule returns the Caddy module information.
@@ -276,6 +285,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 
 	h.explicitKeyHeader, h.explicitCredHeader = h.KeyHeader, h.CredentialHeader
 	h.scopeCache = new(atomic.Pointer[scopeCached])
+	if err := h.provisionSender(); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
+	}
 	if err := h.provisionWebhook(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}

@@ -74,7 +74,7 @@ var errRefusedWithin = errors.New("an idempotency handler inside this one answer
 // A replay is an answer: the request ran once, under the other key.
 func refusedWithin(repl *caddy.Replacer) bool {
 	switch result, _ := repl.GetString(resultPlaceholder); result {
-	case resultMismatch, resultInProgress, resultRejected, resultStoreError, resultUnreadable:
+	case resultMismatch, resultInProgress, resultRejected, resultStoreError, resultUnreadable, resultUnverified:
 		return true
 	}
 	return false

@@ -77,23 +77,44 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// access log shows an empty key rather than a missing field.
 	repl.Set("http.idempotency.key", "")
 
-	// 1. Key, and 2. credential, hashed at once, and the key of a sealed
-	// record extracted from it.
 	var sl *sealer
 	if h.opening {
 		sl = &sealer{table: h.sealTable, seal: h.sealing}
 	}
+	q := request{w: w, r: r, repl: repl, next: next, sealer: sl}
+
+	// 0. A webhook delivery's signature, before anything else, in every
+	// mode and under a handler around this one (verify.go).
+	if h.verifier != nil {
+		held, prob, err := h.verifyDelivery(&q)
+		defer h.bodyBudget.release(held)
+		if err != nil || prob != nil {
+			if !counted {
+				defer h.countResult(repl)
+			}
+			if prob != nil {
+				return h.refuse(&q, "", *prob)
+			}
+			return h.unverified(&q, err)
+		}
+	}
+
+	// 1. Key, and 2. credential, hashed at once, and the key of a sealed
+	// record extracted from it.
 	key, rk, idProb, err := h.identify(r, repl, sl)
 	if err == nil && idProb == nil && key != "" && ownedOnTheWay(r.Context(), h.records, rk) {
 		// A handler around this one owns this very record and executes
 		// the request under it (nesting.go): it stores the response.
 		// Acquiring it again would find it in progress and answer 409.
+		if q.bodyRead {
+			restoreBody(r, q.body, q.bodyCut)
+		}
 		return next.ServeHTTP(w, r)
 	}
 	if !counted {
 		defer h.countResult(repl)
 	}
-	q := request{w: w, r: r, repl: repl, next: next, key: key, rk: rk, sealer: sl}
+	q.key, q.rk = key, rk
 	switch {
 	case err != nil:
 		h.storeError(&q, "credential_secret", err)
@@ -105,14 +126,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	q.credID = credentialID(rk.CredentialHash)
 
-	// 3. Body, read whole (bounded) and handed on intact, and a key_json
-	// key read from it.
-	body, held, prob := h.readBody(r)
-	defer h.bodyBudget.release(held)
-	q.body, q.bodyRead, q.bodyCut = body, true, prob
-	if prob != nil {
-		return h.refuse(&q, key, *prob)
+	// 3. Body, read whole (bounded) and handed on intact, unless step 0
+	// read it, and a key_json key read from it.
+	if !q.bodyRead {
+		body, held, prob := h.readBody(r)
+		defer h.bodyBudget.release(held)
+		q.body, q.bodyRead, q.bodyCut = body, true, prob
+		if prob != nil {
+			return h.refuse(&q, key, *prob)
+		}
 	}
+	body := q.body
 	if h.keyPointer != nil {
 		switch prob := h.keyFromBody(&q, body); {
 		case prob != nil:
