@@ -239,6 +239,11 @@ func (m opMetrics) count(ctx context.Context, err error) {
 func (s instrumentedStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	start, epoch := time.Now(), s.m.log.begin()
 	res, err := s.Store.Acquire(ctx, req)
+	if errors.Is(err, store.ErrRecordUnreadable) {
+		// The store answered, with a record that cannot be read.
+		s.observe(ctx, store.OpAcquire, start, epoch, nil)
+		return res, err
+	}
 	s.observe(ctx, store.OpAcquire, start, epoch, err)
 	if err == nil && res.Outcome == store.OutcomeTakenOver {
 		s.m.takeovers.Inc()

@@ -168,7 +168,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	q.token = store.NewLockToken()
 	q.dated = time.Now()
 	acq, err := h.acquireOrWait(withSealer(r.Context(), sl), h.acquireRequest(&q), logHost(r))
-	if errors.Is(err, errRecordUnreadable) {
+	if errors.Is(err, store.ErrRecordUnreadable) {
 		return h.unreadable(&q, err)
 	}
 	if err != nil {

@@ -29,7 +29,6 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -62,7 +61,7 @@ const (
 // errRecordUnreadable is the error of an Acquire that found a sealed
 // record its request cannot open: sealed under another credential, or
 // changed or moved since it was sealed.
-var errRecordUnreadable = errors.New("the stored record cannot be opened with this request's credential")
+var errRecordUnreadable = fmt.Errorf("%w: it does not open with this request's credential", store.ErrRecordUnreadable)
 
 // sealSalt is HKDF's salt for a credential secret.
 func sealSalt(secret []byte) []byte {
@@ -154,6 +153,11 @@ func (s *sealer) open(rk store.RecordKey, rec *store.Record) (*store.Response, e
 	sealed := rec.Response
 	resp := &store.Response{Status: sealed.Status, Replayable: sealed.Replayable, BodySize: sealed.BodySize}
 	if !sealed.Replayable {
+		// Sealed without a body: one that has a body was sealed
+		// replayable, and its flag changed in the store.
+		if len(sealed.Body) > 0 {
+			return nil, fmt.Errorf("%w: marked not replayable, with a sealed body", errRecordUnreadable)
+		}
 		resp.Header = map[string][]string{}
 		return resp, nil
 	}

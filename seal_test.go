@@ -238,8 +238,12 @@ func TestSealBindsTheRecord(t *testing.T) {
 			t.Errorf("%s: the record opened", name)
 		}
 	}
-	// A record marked not replayable has nothing to open: nothing of
-	// the sealed body is given out.
+	// A record marked not replayable has no body to open; one with a
+	// sealed body had its flag changed in the store.
+	if _, err := sl.open(rk, rec(&unreplayable)); err == nil {
+		t.Error("marked not replayable, with a sealed body: opened")
+	}
+	unreplayable.Body = nil
 	if r, err := sl.open(rk, rec(&unreplayable)); err != nil || r.Body != nil || len(r.Header) != 0 {
 		t.Errorf("not replayable: %+v, %v", r, err)
 	}
@@ -341,4 +345,39 @@ func BenchmarkFirstExecutionSealed(b *testing.B) {
 	b.ReportMetric(float64(tOff.Nanoseconds())/float64(b.N), "off_ns/op")
 	b.ReportMetric(float64(tOn.Nanoseconds())/float64(b.N), "on_ns/op")
 	b.ReportMetric(float64(tOn)/float64(tOff), "on/off")
+}
+
+// A record that the store cannot give (its headers' column changed into
+// something that does not decode, or its replayable flag cleared over a
+// sealed body) is answered 500 #record-unreadable, and never executed
+// again, even under on_store_error fail_open, which executes on a store
+// error: the store answered. Catches a decoding error taken for an
+// outage, which executed the key on every retry under fail_open.
+func TestUnreadableRecordIsNeverExecutedAgain(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	s := protectedSite(t, sb, up.Addr(), "replay_cache off", "on_store_error fail_open")
+	table := pgtest.QuoteIdent(sb.Table)
+	for name, change := range map[string]string{
+		"headers NULL":         `response_header_bytes = NULL, response_headers = NULL`,
+		"headers malformed":    `response_header_bytes = '\x01ffffffff'::bytea`,
+		"headers of no format": `response_header_bytes = '\x03'::bytea`,
+		"replayable cleared":   `replayable = false`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			c := call{Key: newKey(), Body: payBody()}
+			wantExecuted(t, s.Do(t, c), http.StatusCreated)
+			sb.waitCompleted(t, c.Key)
+			before := up.Count()
+			pgtest.Exec(t, sb.DSN, `UPDATE `+table+` SET `+change+` WHERE key = $1`, c.Key)
+			for range 3 {
+				if p := wantProblem(t, s.Do(t, c), http.StatusInternalServerError); !strings.HasSuffix(p.Type, "#record-unreadable") {
+					t.Fatalf("problem type %q", p.Type)
+				}
+			}
+			if n := up.Count(); n != before {
+				t.Fatalf("the key executed %d more times", n-before)
+			}
+		})
+	}
 }

@@ -302,6 +302,14 @@ var ErrNoRecord = errors.New("no such record")
 // record; the handler answers 503 so the client retries later.
 var ErrStoreFull = errors.New("idempotency: store is full")
 
+// ErrRecordUnreadable means that Acquire found a record it cannot give:
+// its stored response does not decode (it was changed in the store), or
+// it is sealed and does not open with the request's credential. The
+// store answered: this is no outage. The handler refuses the request and
+// never executes it again, since the request under that record may have
+// run.
+var ErrRecordUnreadable = errors.New("idempotency: the stored record cannot be read")
+
 // ErrUnstorable means the store refused a response for good (Postgres:
 // a data exception, an integrity violation, a size limit): trying again
 // cannot succeed.

@@ -145,7 +145,7 @@ func (m *Store) Acquire(ctx context.Context, req store.AcquireRequest) (store.Ac
 		// unpacked outside the lock.
 		var uerr error
 		if res.Record.Response, uerr = packed.unpack(); uerr != nil {
-			return store.AcquireResult{}, fmt.Errorf("memory store: %w", uerr)
+			return store.AcquireResult{}, fmt.Errorf("memory store: %w: %w", store.ErrRecordUnreadable, uerr)
 		}
 	}
 	return res, err

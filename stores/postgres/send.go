@@ -122,7 +122,7 @@ func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcqui
 		if rec.Status == store.StatusCompleted {
 			resp := storedResponse(respStatus, replayable, respSize, respBody)
 			if err := store.DecodeResponseHeaders(respHeaders, resp); err != nil {
-				c.err = fmt.Errorf("decoding stored response headers: %w", err)
+				c.err = fmt.Errorf("%w: decoding its stored response headers: %w", store.ErrRecordUnreadable, err)
 				continue
 			}
 			rec.Response = resp
