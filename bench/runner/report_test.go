@@ -117,10 +117,12 @@ func TestCPUOverBaseline(t *testing.T) {
 		m.RPS = rps
 		return row{ID: id, measurement: m}
 	}
-	got := cpuOverBaseline([]row{r("1", 5000, 0.5), r("5a", 5000, 0.8), r("5c", 5000, 0.6)})
+	got := cpuOverBaseline([]row{r("1", 5000, 0.5), r("2", 2000, 0.5), r("3", 5000, 0.4), r("5a", 5000, 0.8), r("5c", 5000, 0.6)})
 	want := []string{
-		"5a  160 µs against 100: +60 µs  NOT met",
-		"5c  120 µs against 100: +20 µs  met",
+		"2   250 µs against 100: +150 µs  (target <= +100) NOT met",
+		"3   80 µs against 100: -20 µs",
+		"5a  160 µs against 100: +60 µs  (target <= +20) NOT met",
+		"5c  120 µs against 100: +20 µs  (target <= +20) met",
 		"5a less 5c, the records kept in Caddy's heap: +40 µs",
 	}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
