@@ -260,7 +260,7 @@ func authChallenge(credHeader string) string {
 // With sl, the key of a sealed record is extracted from the credential
 // into it as well (seal.go).
 func (h *Handler) identify(r *http.Request, repl *caddy.Replacer, sl *sealer) (key string, rk store.RecordKey, p *problem, err error) {
-	if h.keyPointer != nil {
+	if h.bodyKeyed() {
 		return h.identifyCaller(r, repl, "", sl)
 	}
 	keyValues := keyValues(r.Header, h.keyHeader(r))

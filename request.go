@@ -121,7 +121,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		return h.storeFailed(&q)
 	case idProb != nil:
 		return h.refuse(&q, key, *idProb)
-	case key == "" && h.keyPointer == nil:
+	case key == "" && !h.bodyKeyed():
 		return h.pass(&q, resultNoKey)
 	}
 	q.credID = credentialID(rk.CredentialHash)
@@ -137,7 +137,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		}
 	}
 	body := q.body
-	if h.keyPointer != nil {
+	if h.bodyKeyed() {
 		switch prob := h.keyFromBody(&q, body); {
 		case prob != nil:
 			return h.refuse(&q, "", *prob)

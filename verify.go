@@ -8,6 +8,8 @@ package idempotency
 // a real id hold the key against the real sender's delivery.
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"time"
@@ -47,8 +49,10 @@ type webhookVerifier struct {
 	// challenge is the WWW-Authenticate of a 401.
 	challenge string
 	// signedID: the key is the delivery's id header, which the preset
-	// sets (and Standard Webhooks names as its signature does).
-	signedID bool
+	// sets (and Standard Webhooks names as its signature does);
+	// digestKey: the key is the signed body's digest (the sender signs
+	// no id).
+	signedID, digestKey bool
 	// log bounds the idempotency.unverified lines, as store errors are.
 	log *errlog.Limiter
 }
@@ -83,7 +87,7 @@ func (h *Handler) provisionSender() error {
 	}
 	if h.KeyHeader == "" && h.KeyJSON == "" {
 		h.KeyHeader, h.KeyJSON = s.KeyHeader, s.KeyJSON
-		h.verifier.signedID = s.KeyHeader != ""
+		h.verifier.signedID, h.verifier.digestKey = s.KeyHeader != "", s.KeyDigest
 	}
 	if len(h.StoreStatus) == 0 {
 		h.StoreStatus = []string{"2xx"}
@@ -92,6 +96,19 @@ func (h *Handler) provisionSender() error {
 		h.Retention = caddy.Duration(s.Retention)
 	}
 	return nil
+}
+
+// bodyKeyed reports whether the key is read from the body (step 3):
+// key_json, or a webhook's body digest.
+func (h *Handler) bodyKeyed() bool {
+	return h.keyPointer != nil || h.verifier != nil && h.verifier.digestKey
+}
+
+// digestKey is the key of a delivery whose sender signs no id: its
+// body's SHA-256, which only a delivery of the same signed body has.
+func digestKey(body []byte) string {
+	sum := sha256.Sum256(body)
+	return "sha256-" + hex.EncodeToString(sum[:])
 }
 
 // keyHeader is the header that r's key is read from.

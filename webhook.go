@@ -238,6 +238,9 @@ func skipRest(dec *json.Decoder) error {
 // bodyKey reads the key at key_json from the request's body (step 3
 // read it): "" and no problem for a body without it under `optional`.
 func (h *Handler) bodyKey(body []byte) (string, *problem) {
+	if h.keyPointer == nil {
+		return digestKey(body), nil
+	}
 	raw, err := jsonPointerValue(body, h.keyPointer)
 	switch {
 	case errors.Is(err, errKeyJSONMissing):
@@ -258,8 +261,9 @@ func (h *Handler) bodyKey(body []byte) (string, *problem) {
 	return raw, nil
 }
 
-// keyFromBody sets q's key from the body, for key_json. It leaves it ""
-// for a body without one under `optional`.
+// keyFromBody sets q's key from the body, for key_json or a webhook's
+// body digest (bodyKeyed). It leaves it "" for a body without one under
+// `optional`.
 func (h *Handler) keyFromBody(q *request, body []byte) *problem {
 	key, prob := h.bodyKey(body)
 	if prob != nil || key == "" {

@@ -39,8 +39,13 @@ type Sender struct {
 	// standard, shopify.
 	Name string
 	// KeyHeader or KeyJSON is where a delivery carries the id of its
-	// event, which redeliveries repeat.
+	// event, which redeliveries repeat, in what the signature covers.
+	// KeyDigest: the signature covers no id (GitHub's and Shopify's
+	// delivery ids are headers of their own, which anyone can change on
+	// a captured delivery), so the key is the body's digest: a delivery
+	// is its body, and a redelivery repeats it byte for byte.
 	KeyHeader, KeyJSON string
+	KeyDigest          bool
 	// Retention is how long its records are kept by default: as long as
 	// the sender redelivers, or, for senders that sign no timestamp,
 	// long enough that a captured delivery sent again finds its record.
@@ -62,7 +67,7 @@ var Senders = map[string]*Sender{
 		secret: stripeSecret, check: stripeCheck,
 	},
 	"github": {
-		Name: "github", KeyHeader: "X-GitHub-Delivery", Retention: 30 * 24 * time.Hour, Signs: "X-Hub-Signature-256",
+		Name: "github", KeyDigest: true, Retention: 30 * 24 * time.Hour, Signs: "X-Hub-Signature-256",
 		secret: rawSecret, check: githubCheck,
 	},
 	"standard": {
@@ -70,7 +75,7 @@ var Senders = map[string]*Sender{
 		secret: standardSecret, check: standardCheck,
 	},
 	"shopify": {
-		Name: "shopify", KeyHeader: "X-Shopify-Event-Id", Retention: 30 * 24 * time.Hour, Signs: "X-Shopify-Hmac-Sha256",
+		Name: "shopify", KeyDigest: true, Retention: 30 * 24 * time.Hour, Signs: "X-Shopify-Hmac-Sha256",
 		secret: rawSecret, check: shopifyCheck,
 	},
 }
@@ -184,13 +189,13 @@ func timestamp(s string, now time.Time) error {
 	}
 	t, _ := strconv.ParseInt(s, 10, 64)
 	if d := now.Sub(time.Unix(t, 0)); d > Tolerance || d < -Tolerance {
-		return fmt.Errorf("the signed timestamp is %s from the clock, more than %s", d.Round(time.Second), Tolerance)
+		return fmt.Errorf("the signed timestamp is more than %s from the clock", Tolerance)
 	}
 	return nil
 }
 
 func rawSecret(s string) ([]byte, error) {
-	if s == "" {
+	if strings.TrimSpace(s) == "" {
 		return nil, errors.New("empty")
 	}
 	return []byte(s), nil
