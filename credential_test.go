@@ -25,6 +25,7 @@ import (
 	"github.com/caddy-idempotency/idempotency/stores/memory"
 	"github.com/caddy-idempotency/idempotency/stores/postgres"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // handlerCredentialHash is the hash under which a handler of sb without
@@ -739,4 +740,28 @@ http://127.0.0.1:%d {
 		wantProblem(t, r, http.StatusConflict)
 		wantCount(t, up, 1)
 	})
+}
+
+// A key or credential header that Caddy's server drops from every
+// request (a name with '_' or '.', unless the server lists it) is refused
+// at load, naming the servers option that lets it through; listed, it
+// is accepted. Catches a handler that loads and then answers every
+// request 401 or 400 for a header it can never see.
+func TestDroppedHeaderNamesRefused(t *testing.T) {
+	for _, line := range []string{"credential_header X.Api", "key_header Idempotency_Key"} {
+		err := loadErr(t, fmt.Sprintf("http://127.0.0.1:%d {\n\tidempotency {\n\t\t%s\n\t}\n\trespond 200\n}\n", freeTCPPort(t), line))
+		if !strings.Contains(err.Error(), "expected_underscore_headers or expected_dot_headers") {
+			t.Errorf("%s: %v", line, err)
+		}
+	}
+	srv := &caddyhttp.Server{ExpectedDotHeaders: []string{"X.Api"}, ExpectedUnderscoreHeaders: []string{"X_Tenant*"}}
+	ctx := caddy.Context{Context: context.WithValue(context.Background(), caddyhttp.ServerCtxKey, srv)}
+	for _, name := range []string{"X.Api", "x.api", "X_Tenant_Key", "X-Api"} {
+		if err := checkHeaderArrives(ctx, "credential_header", name); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if checkHeaderArrives(ctx, "credential_header", "X.Other") == nil {
+		t.Error("X.Other, not listed: accepted")
+	}
 }

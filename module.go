@@ -331,6 +331,16 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 	h.credHeader = credentialSource(h.CredentialHeader, h.Credential)
 	h.credSource = credentialSourceLabel(h.Scope, h.credHeader, h.Credential)
+	if h.Scope == "" {
+		if err := checkHeaderArrives(ctx, "credential_header", h.credHeader); err != nil {
+			return fmt.Errorf("idempotency: %w", err)
+		}
+	}
+	if h.KeyJSON == "" {
+		if err := checkHeaderArrives(ctx, "key_header", h.KeyHeader); err != nil {
+			return fmt.Errorf("idempotency: %w", err)
+		}
+	}
 	h.excluded = make(map[string]struct{}, len(alwaysExcluded)+len(h.ExcludeHeaders))
 	for _, name := range append(append([]string{h.CredentialHeader, h.credHeader}, alwaysExcluded...), h.ExcludeHeaders...) {
 		if name == "" {

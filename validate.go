@@ -4,8 +4,12 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // The rules a configuration must keep, each defined once: Validate holds
@@ -151,6 +155,36 @@ func checkHeaderNames(option string, names ...string) error {
 		}
 	}
 	return nil
+}
+
+// checkHeaderArrives refuses a request header that Caddy's server drops
+// from every request: since v2.11.8 a name with '_' or '.' reaches the
+// handlers only if the server lists it (expected_underscore_headers,
+// expected_dot_headers), against headers that CGI backends fold onto
+// others. Read from it, the key or the credential would be missing from
+// every request. Outside a server (a program's handler) nothing is
+// checked.
+func checkHeaderArrives(ctx caddy.Context, option, name string) error {
+	sep := ""
+	switch {
+	case strings.ContainsRune(name, '_'):
+		sep = "_"
+	case strings.ContainsRune(name, '.'):
+		sep = "."
+	default:
+		return nil
+	}
+	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
+	if !ok || srv == nil {
+		return nil
+	}
+	for _, entry := range append(slices.Clone(srv.ExpectedUnderscoreHeaders), srv.ExpectedDotHeaders...) {
+		if strings.EqualFold(entry, name) ||
+			strings.HasSuffix(entry, "*") && len(name) >= len(entry)-1 && strings.EqualFold(name[:len(entry)-1], entry[:len(entry)-1]) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%s %q: Caddy drops every request header whose name has %q unless the server lists it (the servers option expected_underscore_headers or expected_dot_headers), so every request would lack it; list it there, or use a name with hyphens", option, name, sep)
 }
 
 // checkUnsafeMethod refuses the methods that Go's HTTP transport (the
