@@ -379,6 +379,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.opening = h.sealing || !h.inProcess
 	h.sealTable = sealTable(h.store)
 	h.records = recordsOf(h.store)
+	if err := h.checkPresetScope(ctx); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
+	}
 	if err := h.provisionCredentials(); err != nil {
 		return fmt.Errorf("idempotency: %w", err)
 	}

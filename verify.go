@@ -15,7 +15,9 @@ import (
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/internal/errlog"
+	"github.com/caddy-idempotency/idempotency/internal/startup"
 	"github.com/caddy-idempotency/idempotency/internal/webhooksig"
+	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 )
@@ -53,6 +55,8 @@ type webhookVerifier struct {
 	// digestKey: the key is the signed body's digest (the sender signs
 	// no id).
 	signedID, digestKey bool
+	// presetScope: the scope is the sender's name, which the preset set.
+	presetScope bool
 	// log bounds the idempotency.unverified lines, as store errors are.
 	log *errlog.Limiter
 }
@@ -83,7 +87,7 @@ func (h *Handler) provisionSender() error {
 		log:       new(errlog.Limiter),
 	}
 	if h.Scope == "" && h.Credential == "" && h.CredentialHeader == "" {
-		h.Scope = s.Name
+		h.Scope, h.verifier.presetScope = s.Name, true
 	}
 	if h.KeyHeader == "" && h.KeyJSON == "" {
 		h.KeyHeader, h.KeyJSON = s.KeyHeader, s.KeyJSON
@@ -109,6 +113,42 @@ func (h *Handler) bodyKeyed() bool {
 func digestKey(body []byte) string {
 	sum := sha256.Sum256(body)
 	return "sha256-" + hex.EncodeToString(sum[:])
+}
+
+// scopeGroup is the webhook routes of a config whose scope the preset
+// set, by the records and the scope they share (startup.Join).
+type scopeGroup struct{ routes map[string]string }
+
+func (g *scopeGroup) Start() <-chan struct{} {
+	done := make(chan struct{})
+	close(done)
+	return done
+}
+
+// checkPresetScope refuses a second route of one sender on one store,
+// in one config, whose scope both take from the preset: a sender sends
+// an event to each of its endpoints under one id (Stripe, to every
+// endpoint of an account), so the second route would meet the first's
+// record and answer 409 to every delivery, until the sender gives up on
+// the event. Routes of different configs (instances of a fleet, a
+// reload) are one route, and share records as they should.
+func (h *Handler) checkPresetScope(ctx caddy.Context) error {
+	if h.verifier == nil || !h.verifier.presetScope {
+		return nil
+	}
+	g, _, err := startup.Join(ctx, "webhook-scopes", func() startup.Group { return &scopeGroup{routes: map[string]string{}} })
+	if err != nil || g == nil {
+		return err
+	}
+	routes := g.(*scopeGroup).routes
+	id := h.records + "\x00" + h.Scope
+	here := store.ServerName(ctx)
+	if there, ok := routes[id]; ok {
+		return fmt.Errorf("webhook %s: two routes of this config (on server %s and on server %s) verify %s deliveries on one store under the scope %q, which both take from the preset: %s sends an event to each endpoint under one id, so the second route would answer 409 to every delivery; give each route its own scope (scope %s-<name>), or, where both serve one endpoint (a site on two servers), name the scope both share (scope %s)",
+			h.Scope, there, here, h.Scope, h.Scope, h.Scope, h.Scope, h.Scope)
+	}
+	routes[id] = here
+	return nil
 }
 
 // keyHeader is the header that r's key is read from.

@@ -208,3 +208,42 @@ func TestWebhookRecordsByScope(t *testing.T) {
 	wantCLI(t, runCLI(t, env, "inspect", "--table", sb.Table, "--key", id, "--scope", "stripe"), exitNotFound)
 	wantCLI(t, runCLI(t, env, "inspect", "--table", sb.Table, "--key", id, "--scope", "github", "--credential", "x"), exitUsage, "one of")
 }
+
+// Two routes of one sender on one store, in one config, cannot both
+// take their scope from the preset: the sender's event id, sent to each
+// endpoint, would meet the first route's record on the second, which
+// would answer 409 to every delivery. The config is refused, saying to
+// name a scope; with a scope each, it loads and each route processes
+// the event once.
+func TestWebhookRoutesOfOneSenderNeedScopes(t *testing.T) {
+	a, b := senderSecrets["stripe"][0], senderSecrets["stripe"][1]
+	routes := func(scopeA, scopeB string) string {
+		return fmt.Sprintf(`http://127.0.0.1:%%d {
+	idempotency /a* {
+		webhook stripe %s
+		%s
+	}
+	idempotency /b* {
+		webhook stripe %s
+		%s
+	}
+	reverse_proxy %%s
+}
+`, a, scopeA, b, scopeB)
+	}
+	err := loadErr(t, fmt.Sprintf(routes("", ""), freeTCPPort(t), "127.0.0.1:9"))
+	if !strings.Contains(err.Error(), "give each route its own scope") {
+		t.Fatalf("two stripe routes without scopes: %v", err)
+	}
+
+	up := newUpstream(t)
+	port := freeTCPPort(t)
+	s := siteFromCaddyfile(t, port, fmt.Sprintf(routes("scope stripe-a", "scope stripe-b"), port, up.Addr()))
+	id := "evt_" + pgtest.RandomHex(12)
+	body := senderBody("stripe", id)
+	for i, route := range []struct{ path, secret string }{{"/a", a}, {"/b", b}} {
+		r := s.Do(t, call{Path: route.path, Cred: noCred, Body: body, Header: signed(t, "stripe", route.secret, id, body, time.Now())})
+		wantExecuted(t, r, http.StatusCreated)
+		wantCount(t, up, i+1)
+	}
+}
