@@ -26,7 +26,6 @@ import (
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/internal/pgtest"
-	"github.com/caddy-idempotency/idempotency/store/storetest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	_ "github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -324,32 +323,48 @@ func (s *site) reloaded(t testing.TB) {
 // socket's queue, and is reset when it closes.
 func waitListenerReleased(t testing.TB, addr string) {
 	t.Helper()
-	_, portText, _ := net.SplitHostPort(addr)
+	host, portText, _ := net.SplitHostPort(addr)
 	port, _ := strconv.Atoi(portText)
-	storetest.WaitFor(t, 10*time.Second, "the old config's listener on "+addr+" to close", func() bool {
-		return caddy.ListenerUsage("tcp", addr) == 1 && listeningSockets(port) <= 1
-	})
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		usage, socks := caddy.ListenerUsage("tcp", addr), listeningSockets(host, port)
+		if usage == 1 && len(socks) <= 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after 10s waiting for the old config's listener on %s to close: Caddy counts %d listeners on it, the kernel lists these sockets listening there: %q",
+				addr, usage, socks)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
-// listeningSockets counts the TCP sockets of this machine that listen on
-// port, from /proc/net/tcp and tcp6 (Linux); elsewhere it reports 0.
-func listeningSockets(port int) int {
-	n := 0
-	local := fmt.Sprintf(":%04X", port)
-	for _, file := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
-		data, err := os.ReadFile(file)
-		if err != nil {
-			continue
-		}
-		for _, line := range strings.Split(string(data), "\n")[1:] {
-			// sl local_address rem_address st ...; st 0A is LISTEN.
-			f := strings.Fields(line)
-			if len(f) > 3 && strings.HasSuffix(f[1], local) && f[3] == "0A" {
-				n++
-			}
+// listeningSockets returns the lines of /proc/net/tcp (Linux; elsewhere
+// none) of the sockets that listen on host:port, an IPv4 address, or on
+// the wildcard address and port: another process's socket on another
+// address and the same port (an IPv6 one) is not in the way.
+func listeningSockets(host string, port int) []string {
+	var out []string
+	ip := net.ParseIP(host).To4()
+	if ip == nil {
+		return nil
+	}
+	want := map[string]bool{
+		fmt.Sprintf("%02X%02X%02X%02X:%04X", ip[3], ip[2], ip[1], ip[0], port): true,
+		fmt.Sprintf("00000000:%04X", port):                                     true,
+	}
+	data, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		return nil
+	}
+	for _, line := range strings.Split(string(data), "\n")[1:] {
+		// sl local_address rem_address st ...; st 0A is LISTEN.
+		f := strings.Fields(line)
+		if len(f) > 3 && want[f[1]] && f[3] == "0A" {
+			out = append(out, strings.Join(f, " "))
 		}
 	}
-	return n
+	return out
 }
 
 // oneShot is a client of the same site that opens a connection for each
