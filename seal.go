@@ -133,16 +133,22 @@ func (s *sealer) sealResponse(rk store.RecordKey, resp *store.Response) (*store.
 	if err != nil {
 		return nil, err
 	}
+	// The plain text is laid out where its ciphertext goes, after the
+	// format byte and the nonce, and sealed in place: one buffer the
+	// size of the response, not two.
 	headers := store.EncodeHeaders(resp.Header)
-	plain := make([]byte, 0, binary.MaxVarintLen64+len(headers)+len(resp.Body))
-	plain = binary.AppendUvarint(plain, uint64(len(headers)))
-	plain = append(plain, headers...)
-	plain = append(plain, resp.Body...)
-	blob := make([]byte, 1+sealNonceSize, len(plain)+sealOverhead)
+	var n [binary.MaxVarintLen64]byte
+	ln := binary.PutUvarint(n[:], uint64(len(headers)))
+	const head = 1 + sealNonceSize
+	blob := make([]byte, head+ln+len(headers)+len(resp.Body), head+ln+len(headers)+len(resp.Body)+sealTagSize)
 	blob[0] = sealFormat
-	nonce := blob[1:]
+	nonce := blob[1:head]
 	_, _ = rand.Read(nonce) // crypto/rand.Read never returns an error
-	sealed.Body = aead.Seal(blob, nonce, plain, sealAD(s.table, rk, s.fp, resp.Status, resp.Replayable))
+	plain := blob[head:]
+	plain = plain[copy(plain, n[:ln]):]
+	plain = plain[copy(plain, headers):]
+	copy(plain, resp.Body)
+	sealed.Body = aead.Seal(blob[:head], nonce, blob[head:], sealAD(s.table, rk, s.fp, resp.Status, resp.Replayable))
 	return sealed, nil
 }
 
