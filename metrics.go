@@ -222,6 +222,11 @@ type instrumentedStore struct {
 // lost its lock (handlerMetrics.lockLost); a store that timed out has
 // failed.
 func (s instrumentedStore) observe(ctx context.Context, op string, start time.Time, epoch int64, err error) {
+	if errors.Is(err, store.ErrRecordUnreadable) {
+		// The store answered, with a record that cannot be read: no
+		// failure of the store's.
+		err = nil
+	}
 	m := s.m.ops[op]
 	m.duration.Observe(time.Since(start).Seconds())
 	m.count(ctx, err)
@@ -239,11 +244,6 @@ func (m opMetrics) count(ctx context.Context, err error) {
 func (s instrumentedStore) Acquire(ctx context.Context, req store.AcquireRequest) (store.AcquireResult, error) {
 	start, epoch := time.Now(), s.m.log.begin()
 	res, err := s.Store.Acquire(ctx, req)
-	if errors.Is(err, store.ErrRecordUnreadable) {
-		// The store answered, with a record that cannot be read.
-		s.observe(ctx, store.OpAcquire, start, epoch, nil)
-		return res, err
-	}
 	s.observe(ctx, store.OpAcquire, start, epoch, err)
 	if err == nil && res.Outcome == store.OutcomeTakenOver {
 		s.m.takeovers.Inc()
