@@ -299,20 +299,15 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, store.Record
 		f.KeyPrefix = sel.KeyPrefix
 	}
 	switch {
-	case sel.CredentialID != "" && sel.Credential != "" || (sel.CredentialID != "" || sel.Credential != "") && sel.Scope != "":
+	case given(sel.CredentialID, sel.Credential, sel.Scope) > 1:
 		return nil, f, adminError(http.StatusBadRequest, errors.New("give one of credential_id, credential and scope"))
 	case sel.Scope != "":
 		// A webhook route's scope, hashed as each handler hashes it.
-		for _, u := range st.users {
-			hasher, err := u.h.credKey.get(ctx)
-			if err != nil {
-				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
-			}
-			sum := scopeHash(hasher, sel.Scope)
-			if !slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
-				f.CredentialPrefixes = append(f.CredentialPrefixes, sum[:])
-			}
+		prefixes, err := hashedUnderEach(ctx, st, func(c *credentialHasher) [32]byte { return scopeHash(c, sel.Scope) })
+		if err != nil {
+			return nil, f, err
 		}
+		f.CredentialPrefixes = prefixes
 	case sel.CredentialID != "":
 		prefix, err := parseCredentialID(sel.CredentialID)
 		if err != nil {
@@ -320,18 +315,11 @@ func (sel adminSelector) resolve(ctx context.Context) (*adminStore, store.Record
 		}
 		f.CredentialPrefixes = [][]byte{prefix}
 	case sel.Credential != "":
-		// Each handler hashes under its own credential_secret, or the
-		// store's: the credential is any of them.
-		for _, u := range st.users {
-			hasher, err := u.h.credKey.get(ctx)
-			if err != nil {
-				return nil, f, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
-			}
-			sum := hasher.hash(sel.Credential)
-			if !slices.ContainsFunc(f.CredentialPrefixes, func(p []byte) bool { return string(p) == string(sum[:]) }) {
-				f.CredentialPrefixes = append(f.CredentialPrefixes, sum[:])
-			}
+		prefixes, err := hashedUnderEach(ctx, st, func(c *credentialHasher) [32]byte { return c.hash(sel.Credential) })
+		if err != nil {
+			return nil, f, err
 		}
+		f.CredentialPrefixes = prefixes
 	}
 	maxLimit, defLimit := adminMaxLimit, adminDefaultLimit
 	if sel.Body {
@@ -388,6 +376,25 @@ func (a *adminAPI) records(ctx context.Context, w http.ResponseWriter, sel admin
 		out.Records = append(out.Records, rec)
 	}
 	return writeAdminJSON(w, out)
+}
+
+// hashedUnderEach returns what hash gives under the secret of each
+// handler of st, each once: each handler hashes under its own
+// credential_secret, or the store's, and a credential or a scope is any
+// of them.
+func hashedUnderEach(ctx context.Context, st *adminStore, hash func(*credentialHasher) [32]byte) ([][]byte, error) {
+	var sums [][]byte
+	for _, u := range st.users {
+		hasher, err := u.h.credKey.get(ctx)
+		if err != nil {
+			return nil, adminError(http.StatusServiceUnavailable, fmt.Errorf("the credential secret: %v", err))
+		}
+		sum := hash(hasher)
+		if !slices.ContainsFunc(sums, func(p []byte) bool { return string(p) == string(sum[:]) }) {
+			sums = append(sums, sum[:])
+		}
+	}
+	return sums, nil
 }
 
 // openForAdmin opens the sealed response of ir with the raw credential,

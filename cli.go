@@ -292,12 +292,9 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 	}
 	id, credential, scope := fl.String("credential-id"), fl.String("credential"), fl.String("scope")
 	switch {
-	case (id != "") && (credential != "") || (id != "" || credential != "") && scope != "":
+	case given(id, credential, scope) > 1:
 		return cliTarget{}, errors.New("give one of --credential-id, --credential and --scope")
-	case scope != "":
-		credential = scope
-		fallthrough
-	case credential != "":
+	case credential != "" || scope != "":
 		if credential == "-" {
 			// A secret on the command line ends up in the shell's
 			// history and in every user's view of the process list.
@@ -307,13 +304,10 @@ func cliParseTarget(fl caddycmd.Flags, stdin io.Reader) (cliTarget, error) {
 			}
 			credential = strings.TrimRight(line, "\r\n")
 		}
-		if credential == "" {
+		if credential == "" && scope == "" {
 			return cliTarget{}, errors.New("--credential: the credential is empty")
 		}
-		target := cliTarget{key: key, credential: credential}
-		if scope != "" {
-			target.credential, target.scope = "", scope
-		}
+		target := cliTarget{key: key, credential: credential, scope: scope}
 		if raw := fl.String("credential-secret"); raw != "" {
 			secret, err := resolveCredentialSecret(raw)
 			if err != nil {
@@ -365,9 +359,11 @@ func (db *cliDB) hashCredential(ctx context.Context, t *cliTarget) error {
 		secret = stored
 	}
 	hasher := newCredentialHasher(secret)
-	sum := hasher.hash(t.credential)
+	var sum [32]byte
 	if t.scope != "" {
 		sum = scopeHash(hasher, t.scope)
+	} else {
+		sum = hasher.hash(t.credential)
 	}
 	t.prefix, t.id = sum[:], credentialID(sum)
 	return nil

@@ -36,17 +36,29 @@ func checkCredentialSecret(secret string) error {
 // --config, and refuses what checkCredentialSecret refuses. Its errors
 // name the placeholder, never the secret.
 func resolveCredentialSecret(raw string) ([]byte, error) {
-	secret := caddy.NewReplacer().ReplaceKnown(raw, "")
+	secret, err := resolveSecret(raw)
+	if err != nil {
+		return nil, fmt.Errorf("credential_secret %w", err)
+	}
 	if !hasPlaceholder(raw) {
 		return []byte(secret), checkCredentialSecret(secret)
-	}
-	if secret == "" {
-		return nil, fmt.Errorf("credential_secret %s is empty once its placeholders are replaced: is its environment variable set?", raw)
 	}
 	if err := checkCredentialSecret(secret); err != nil {
 		return nil, fmt.Errorf("credential_secret %s: %w", raw, err)
 	}
 	return []byte(secret), nil
+}
+
+// resolveSecret resolves the placeholders of a configured secret (a
+// credential_secret, a webhook's), as the server does at start: one
+// that is empty once they are replaced is refused, by the placeholder's
+// name, never by its value.
+func resolveSecret(raw string) (string, error) {
+	secret := caddy.NewReplacer().ReplaceKnown(raw, "")
+	if secret == "" && hasPlaceholder(raw) {
+		return "", fmt.Errorf("%s is empty once its placeholders are replaced: is its environment variable set?", raw)
+	}
+	return secret, nil
 }
 
 // checkCredentialPlaceholder refuses a credential that is not exactly one

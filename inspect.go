@@ -93,6 +93,18 @@ func releaseRecord(ctx context.Context, st store.Inspector, f store.RecordFilter
 	return rec, nil
 }
 
+// given counts the selectors given, of those that name whose records
+// they are (a credential id, a credential, a scope): at most one is.
+func given(selectors ...string) int {
+	n := 0
+	for _, s := range selectors {
+		if s != "" {
+			n++
+		}
+	}
+	return n
+}
+
 // parseCredentialID parses a credential id as the log lines print it
 // (credentialID): a hex prefix of a credential's keyed hash.
 func parseCredentialID(id string) ([]byte, error) {

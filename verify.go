@@ -71,9 +71,9 @@ func (h *Handler) provisionSender() error {
 	}
 	secrets := make([]string, len(h.Webhook.Secrets))
 	for i, raw := range h.Webhook.Secrets {
-		secrets[i] = caddy.NewReplacer().ReplaceKnown(raw, "")
-		if secrets[i] == "" && hasPlaceholder(raw) {
-			return fmt.Errorf("webhook %s: secret %s is empty once its placeholders are replaced: is its environment variable set?", h.Webhook.Provider, raw)
+		var err error
+		if secrets[i], err = resolveSecret(raw); err != nil {
+			return fmt.Errorf("webhook %s: secret %w", h.Webhook.Provider, err)
 		}
 	}
 	v, err := webhooksig.New(h.Webhook.Provider, secrets)
