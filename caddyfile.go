@@ -199,7 +199,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("idempotency: webhook needs its provider (%s) and its signing secret, such as {env.STRIPE_WEBHOOK_SECRET}", strings.Join(webhooksig.Names(), ", "))
 			}
 			if _, ok := webhooksig.Senders[args[0]]; !ok {
-				return d.Errf("idempotency: unknown webhook provider %q (want one of %s)", args[0], strings.Join(webhooksig.Names(), ", "))
+				// Not quoted: a provider left out makes the first
+				// argument a signing secret.
+				return d.Errf("idempotency: webhook's first argument is not a provider: want one of %s, then the signing secrets", strings.Join(webhooksig.Names(), ", "))
 			}
 			h.Webhook = &WebhookConfig{Provider: args[0], Secrets: args[1:]}
 		case "seal":

@@ -40,7 +40,9 @@ func resolveCredentialSecret(raw string) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("credential_secret %w", err)
 	}
-	if !hasPlaceholder(raw) {
+	if !hasPlaceholder(raw) || secret == raw {
+		// A literal secret (braces that name no placeholder included):
+		// its errors must not quote it.
 		return []byte(secret), checkCredentialSecret(secret)
 	}
 	if err := checkCredentialSecret(secret); err != nil {

@@ -66,7 +66,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	// Methods compare case-insensitively: frameworks run `post` as POST.
 	// ToUpper returns an upper-case method as it is, without allocating.
 	method := strings.ToUpper(r.Method)
-	if _, protected := h.methods[method]; !protected {
+	_, protected := h.methods[method]
+	if !protected && h.verifier == nil {
 		return next.ServeHTTP(w, r)
 	}
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
@@ -83,8 +84,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	}
 	q := request{w: w, r: r, repl: repl, next: next, sealer: sl}
 
-	// 0. A webhook delivery's signature, before anything else, in every
-	// mode and under a handler around this one (verify.go).
+	// 0. A webhook delivery's signature, before anything else, whatever
+	// its method, in every mode and under a handler around this one
+	// (verify.go). A verified request of a method that is not protected
+	// then goes on unrecorded, as any such request does.
 	if h.verifier != nil {
 		held, prob, err := h.verifyDelivery(&q)
 		defer h.bodyBudget.release(held)
@@ -96,6 +99,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 				return h.refuse(&q, "", *prob)
 			}
 			return h.unverified(&q, err)
+		}
+		if !protected {
+			restoreBody(r, q.body, q.bodyCut)
+			return next.ServeHTTP(w, r)
 		}
 	}
 

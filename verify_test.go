@@ -247,3 +247,39 @@ func TestWebhookRoutesOfOneSenderNeedScopes(t *testing.T) {
 		wantCount(t, up, i+1)
 	}
 }
+
+// A webhook route verifies every method that reaches it, not only the
+// protected ones: an unsigned PUT gets 401 and reaches nothing, and a
+// signed one goes on, unrecorded, as an unprotected method does.
+// Catches the method check that let any other method skip verification.
+func TestWebhookVerifiesEveryMethod(t *testing.T) {
+	sb := postgresBackend(t)
+	up := newUpstream(t)
+	secret := senderSecrets["github"][1]
+	s := protectedSite(t, sb, up.Addr(), "webhook github "+secret)
+	body := []byte(`{"action":"created","n":"` + pgtest.RandomHex(6) + `"}`)
+	for _, method := range []string{http.MethodPut, http.MethodDelete} {
+		wantUnverified(t, s.Do(t, call{Method: method, Path: "/webhooks", Cred: noCred, Body: body}), "github", method)
+	}
+	wantCount(t, up, 0)
+	r := s.Do(t, call{Method: http.MethodPut, Path: "/webhooks", Cred: noCred, Body: body, Header: signed(t, "github", secret, "", body, time.Now())})
+	wantExecuted(t, r, http.StatusCreated)
+	wantCount(t, up, 1)
+	if n := pgCount(t, sb); n != 0 {
+		t.Errorf("%d records after a signed PUT, want none: PUT is not protected", n)
+	}
+}
+
+// Errors about webhook secrets and credential secrets never quote a
+// secret: not a literal credential_secret whose braces name no
+// placeholder, not a signing secret given where the provider goes.
+func TestSecretErrorsDoNotQuoteSecrets(t *testing.T) {
+	const secret = "Tr0ub4dor&3-{horse}-staple"
+	if _, err := resolveCredentialSecret(secret); err == nil || strings.Contains(err.Error(), "horse") {
+		t.Errorf("credential_secret %q: %v", secret, err)
+	}
+	_, _, err := adaptCaddyfile("example.com {\n\tidempotency {\n\t\twebhook whsec_NEWSECRETabc123 whsec_OLDSECRETdef456\n\t}\n}\n")
+	if err == nil || strings.Contains(err.Error(), "SECRET") {
+		t.Errorf("webhook without a provider: %v", err)
+	}
+}

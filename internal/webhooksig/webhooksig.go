@@ -102,7 +102,9 @@ type Verifier struct {
 func New(provider string, secrets []string) (*Verifier, error) {
 	s, ok := Senders[provider]
 	if !ok {
-		return nil, fmt.Errorf("unknown webhook provider %q (want one of %s)", provider, strings.Join(Names(), ", "))
+		// Not quoted: a provider left out of a config makes a signing
+		// secret the first value.
+		return nil, fmt.Errorf("unknown webhook provider (want one of %s)", strings.Join(Names(), ", "))
 	}
 	if len(secrets) == 0 {
 		return nil, fmt.Errorf("webhook %s needs its signing secret", provider)
