@@ -67,6 +67,7 @@ type config struct {
 	keep        bool
 	rounds      int
 	pgbouncer   string
+	profile     string
 }
 
 // appDSN is the DSN with an application_name that lets the CPU sampler
@@ -108,6 +109,7 @@ func main() {
 	flag.StringVar(&cfg.rows, "rows", "", "run only these rows of the main table (e.g. 1,2,6); the ratios need their rows")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the benchmark's tables")
 	flag.IntVar(&cfg.rounds, "rounds", 2, "measure every row this many times and keep each row's best round")
+	flag.StringVar(&cfg.profile, "profile", "", "write a CPU profile of Caddy during each HTTP row's measured window to this directory (row<id>.pprof, the last round's)")
 	flag.StringVar(&cfg.pgbouncer, "pgbouncer", "", "PgBouncer binary of rows 2b and 3b (default: on PATH or /usr/sbin/pgbouncer; off: skip them)")
 	flag.Parse()
 	if cfg.quick {
@@ -154,6 +156,11 @@ func run(ctx context.Context, cfg config) error {
 	logs := filepath.Join(root, "bench", "results", started.UTC().Format("20060102-150405"))
 	if err := os.MkdirAll(logs, 0o755); err != nil {
 		return err
+	}
+	if cfg.profile != "" {
+		if err := os.MkdirAll(cfg.profile, 0o755); err != nil {
+			return err
+		}
 	}
 	bin, err := os.MkdirTemp("", "idempotency-bench-")
 	if err != nil {

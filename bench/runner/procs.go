@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -107,7 +109,35 @@ func (b *bench) stopUpstream() {
 type caddyProc struct {
 	cmd  *exec.Cmd
 	addr string
-	log  *os.File
+	// admin is Caddy's admin address, "off" unless -profile is given.
+	admin string
+	log   *os.File
+}
+
+// profile writes a CPU profile of Caddy, taken for d, to path.
+func (c *caddyProc) profile(ctx context.Context, d time.Duration, path string) error {
+	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", c.admin, max(1, int(d.Seconds())))
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("%s: %s", url, resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
 
 // startCaddy runs Caddy with the site block body on a free port.
@@ -117,8 +147,18 @@ func (b *bench) startCaddy(name, site string) (*caddyProc, error) {
 		return nil, err
 	}
 	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	admin := "off"
+	if b.cfg.profile != "" {
+		// The profile is read from Caddy's admin endpoint, which is
+		// otherwise off: it costs nothing while it is not asked.
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		admin = fmt.Sprintf("127.0.0.1:%d", port)
+	}
 	caddyfile := fmt.Sprintf(`{
-	admin off
+	admin %s
 	auto_https off
 	persist_config off
 	grace_period 1s
@@ -127,7 +167,7 @@ func (b *bench) startCaddy(name, site string) (*caddyProc, error) {
 http://%s {
 %s
 }
-`, addr, site)
+`, admin, addr, site)
 	path := filepath.Join(b.logs, name+".Caddyfile")
 	if err := os.WriteFile(path, []byte(caddyfile), 0o644); err != nil {
 		return nil, err
@@ -143,7 +183,7 @@ http://%s {
 		return nil, err
 	}
 	b.sampler.track(cmd.Process.Pid, "caddy")
-	c := &caddyProc{cmd: cmd, addr: addr, log: log}
+	c := &caddyProc{cmd: cmd, addr: addr, admin: admin, log: log}
 	if err := waitListening(addr, 30*time.Second); err != nil {
 		c.stop()
 		return nil, fmt.Errorf("%s: caddy did not start (see %s): %v", name, log.Name(), err)

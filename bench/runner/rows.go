@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddy-idempotency/idempotency/bench/load"
 )
@@ -145,7 +146,25 @@ func (b *bench) httpRow(ctx context.Context, id, what, site string, args ...stri
 		return row{}, err
 	}
 	defer c.stop()
+	profiled := make(chan error, 1)
+	if b.cfg.profile != "" {
+		// Within the measured window: after the warmup, and ending before
+		// the load does.
+		go func() {
+			select {
+			case <-time.After(b.cfg.warmup):
+				profiled <- c.profile(ctx, b.cfg.duration-time.Second, filepath.Join(b.cfg.profile, "row"+id+".pprof"))
+			case <-ctx.Done():
+				profiled <- ctx.Err()
+			}
+		}()
+	}
 	m, err := b.runLoad(ctx, "row"+id, c.addr, b.cfg.warmup, nil, append(b.timing(), args...)...)
+	if b.cfg.profile != "" {
+		if perr := <-profiled; perr != nil && err == nil {
+			err = fmt.Errorf("row %s: profile: %w", id, perr)
+		}
+	}
 	return row{ID: id, What: what, measurement: m}, err
 }
 
