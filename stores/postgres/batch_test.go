@@ -202,6 +202,115 @@ func TestBatcherDefersDuplicateKeys(t *testing.T) {
 	}
 }
 
+// stallBatcher is a batcher of two lanes that opens the second after
+// stallAfter, whose statements each wait for the next value of release
+// (closing it lets them all go), and the keys of each batch it sent.
+type stallBatcher struct {
+	*batcher[store.RecordKey, bool]
+	release chan struct{}
+	mu      sync.Mutex
+	batches [][]string
+	wg      sync.WaitGroup
+}
+
+func newStallBatcher(stallAfter time.Duration) *stallBatcher {
+	sb := &stallBatcher{release: make(chan struct{})}
+	sb.batcher = &batcher[store.RecordKey, bool]{
+		lanes:      2,
+		stallAfter: stallAfter,
+		key:        func(k store.RecordKey) store.RecordKey { return k },
+		send: func(_ context.Context, calls []*batchCall[store.RecordKey, bool]) {
+			var keys []string
+			for _, c := range calls {
+				keys = append(keys, c.req.Key)
+				c.res = true
+			}
+			sb.mu.Lock()
+			sb.batches = append(sb.batches, keys)
+			sb.mu.Unlock()
+			<-sb.release
+		},
+	}
+	return sb
+}
+
+func (sb *stallBatcher) do(t *testing.T, k string) {
+	sb.wg.Go(func() {
+		if ok, err := sb.batcher.do(context.Background(), store.RecordKey{Key: k}); !ok || err != nil {
+			t.Errorf("%s: %v, %v", k, ok, err)
+		}
+	})
+}
+
+func (sb *stallBatcher) sent() string {
+	sb.mu.Lock()
+	defer sb.mu.Unlock()
+	return fmt.Sprint(sb.batches)
+}
+
+func (sb *stallBatcher) waitSent(t *testing.T, want string) {
+	t.Helper()
+	storetest.WaitFor(t, 15*time.Second, "batches "+want, func() bool { return sb.sent() == want })
+}
+
+// While a statement of its kind is in flight, and makes progress, the
+// requests that arrive queue for the next batch, all of them, rather
+// than open a second lane each: two statements at a time sent batches of
+// half the size, each a round trip more for Caddy's CPU. Catches a
+// second lane opened by the second request to arrive.
+func TestBatcherSendsOneLaneWithoutStall(t *testing.T) {
+	sb := newStallBatcher(time.Hour)
+	sb.do(t, "first")
+	sb.waitSent(t, "[[first]]")
+	for _, k := range []string{"a", "b", "c"} {
+		sb.do(t, k)
+	}
+	storetest.WaitFor(t, 15*time.Second, "3 queued", func() bool {
+		sb.mu.Lock()
+		defer sb.mu.Unlock()
+		sb.batcher.mu.Lock()
+		defer sb.batcher.mu.Unlock()
+		return len(sb.batcher.queue) == 3
+	})
+	close(sb.release)
+	sb.wg.Wait()
+	got := sb.sent()
+	if got != "[[first] [a b c]]" {
+		t.Errorf("batches %s, want [[first] [a b c]]", got)
+	}
+}
+
+// A statement stuck (waiting for a row lock) does not stop its kind: once
+// no batch has finished for stallAfter, the queued requests go on a
+// second lane, and whichever lane finishes first closes, so none is left
+// queued behind a lane that closed. Catches a batcher that waits for the
+// stuck statement, and one whose second lane strands the requests that
+// queue after it.
+func TestBatcherOpensASecondLaneOnStall(t *testing.T) {
+	sb := newStallBatcher(50 * time.Millisecond)
+	sb.do(t, "stuck")
+	sb.waitSent(t, "[[stuck]]")
+	sb.do(t, "a")
+	sb.waitSent(t, "[[stuck] [a]]")
+	// Both statements are in flight: the next requests queue, and go
+	// once a lane is free, whichever it is.
+	sb.do(t, "b")
+	sb.do(t, "c")
+	sb.release <- struct{}{}
+	sb.release <- struct{}{}
+	close(sb.release)
+	sb.wg.Wait()
+	got := sb.sent()
+	if got != "[[stuck] [a] [b c]]" && got != "[[stuck] [a] [b] [c]]" {
+		t.Errorf("batches %s, want [[stuck] [a] [b c]]", got)
+	}
+	sb.batcher.mu.Lock()
+	defer sb.batcher.mu.Unlock()
+	if sb.batcher.sending != 0 || len(sb.batcher.queue) != 0 {
+		t.Errorf("%d lanes open, %d queued after every request returned", sb.batcher.sending, len(sb.batcher.queue))
+	}
+}
+
 // Two instances (two stores, two pools) send batches over the same keys
 // at once. Every batch locks its rows in one order, the same on every
 // instance, so no statement ever deadlocks; and the batches are real

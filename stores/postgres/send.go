@@ -183,8 +183,9 @@ type ownedBatcher = batcher[ownedRequest, bool]
 // (read at each batch: EnableWaiting changes it), op naming it in errors.
 func (s *Store) newOwnedBatcher(op string, sql *statement) *ownedBatcher {
 	return &ownedBatcher{
-		lanes: batchLanes,
-		key:   func(r ownedRequest) store.RecordKey { return r.key },
+		lanes:      batchLanes,
+		stallAfter: batchStall,
+		key:        func(r ownedRequest) store.RecordKey { return r.key },
 		size: func(r ownedRequest) int {
 			if r.resp == nil {
 				return 0

@@ -258,10 +258,11 @@ func (s *Store) wire(pool sharedPool) {
 	s.pool, s.admitted, s.prepares, s.execModeNamed = pool.Pool, pool.admitted, pool.prepares, pool.execModeNamed
 	s.sql = newPostgresSQL(s.table)
 	s.acquires = &batcher[queuedAcquire, store.AcquireResult]{
-		lanes:  min(batchLanes, acquireSlots(s.MaxConns)),
-		key:    func(r queuedAcquire) store.RecordKey { return r.Key },
-		send:   s.sendAcquires,
-		follow: followAcquire,
+		lanes:      min(batchLanes, acquireSlots(s.MaxConns)),
+		stallAfter: batchStall,
+		key:        func(r queuedAcquire) store.RecordKey { return r.Key },
+		send:       s.sendAcquires,
+		follow:     followAcquire,
 	}
 	s.completes = s.newOwnedBatcher(store.OpComplete, &s.sql.complete)
 	s.releases = s.newOwnedBatcher(store.OpRelease, &s.sql.release)
