@@ -8,7 +8,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddy-idempotency/idempotency/store"
@@ -245,21 +244,25 @@ func (b *batcher[Req, Res]) take() []*batchCall[Req, Res] {
 	return batch
 }
 
-// sendBatch runs one statement for batch. The statement is cancelled
-// only once every request of the batch has given up: one request's
-// deadline must not fail the others.
+// sendBatch runs one statement for batch, until the last of its
+// requests' deadlines (a request without one gives it store.CallTimeout,
+// which bounds a round trip): one request's deadline must not fail the
+// others. A request that gives up sooner returns at once (do) and leaves
+// the statement to the others, or to run out: watching each request's
+// context for the moment they have all given up cost an allocation and
+// a lock per request, in a path where every request has a deadline.
 func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
-	ctx, cancel := context.WithCancel(context.Background())
-	var left atomic.Int32
-	left.Store(int32(len(batch)))
-	stops := make([]func() bool, len(batch))
-	for i, c := range batch {
-		stops[i] = context.AfterFunc(c.ctx, func() {
-			if left.Add(-1) == 0 {
-				cancel()
-			}
-		})
+	var deadline time.Time
+	for _, c := range batch {
+		d, ok := c.ctx.Deadline()
+		if !ok {
+			d = time.Now().Add(store.CallTimeout)
+		}
+		if d.After(deadline) {
+			deadline = d
+		}
 	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	// One order for the rows of every statement, on every instance: two
 	// statements that lock rows in the same order never deadlock.
 	slices.SortFunc(batch, func(x, y *batchCall[Req, Res]) int {
@@ -267,8 +270,7 @@ func (b *batcher[Req, Res]) sendBatch(batch []*batchCall[Req, Res]) {
 	})
 	b.send(ctx, batch)
 	var again []*batchCall[Req, Res]
-	for i, c := range batch {
-		stops[i]()
+	for _, c := range batch {
 		for _, f := range c.followers {
 			if b.follow(c, f) {
 				close(f.done)

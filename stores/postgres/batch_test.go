@@ -311,6 +311,62 @@ func TestBatcherOpensASecondLaneOnStall(t *testing.T) {
 	}
 }
 
+// A batch's statement runs until the last of its requests' deadlines,
+// not the first: one request's short deadline must not fail the others'
+// rows; and a request without a deadline bounds it by store.CallTimeout.
+// Catches a statement given the first request's context, or one watched
+// for nothing but its requests giving up.
+func TestBatchStatementOutlivesTheShortestDeadline(t *testing.T) {
+	got := make(chan time.Time, 4)
+	b := &batcher[store.RecordKey, bool]{
+		lanes: 1,
+		key:   func(k store.RecordKey) store.RecordKey { return k },
+		send: func(ctx context.Context, calls []*batchCall[store.RecordKey, bool]) {
+			d, ok := ctx.Deadline()
+			if !ok {
+				t.Error("a statement without a deadline")
+			}
+			got <- d
+			for _, c := range calls {
+				c.res = true
+			}
+		},
+	}
+	// Both in one batch: the lane is taken by hand, and given back to
+	// the next call once both queued.
+	b.sending = 1
+	long := time.Now().Add(time.Hour)
+	shortCtx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	longCtx, cancel := context.WithDeadline(context.Background(), long)
+	defer cancel()
+	var wg sync.WaitGroup
+	wg.Go(func() { _, _ = b.do(shortCtx, store.RecordKey{Key: "short"}) })
+	wg.Go(func() { _, _ = b.do(longCtx, store.RecordKey{Key: "long"}) })
+	storetest.WaitFor(t, 15*time.Second, "2 queued", func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		return len(b.queue) == 2
+	})
+	b.mu.Lock()
+	b.sending = 0
+	b.mu.Unlock()
+	if _, err := b.do(context.Background(), store.RecordKey{Key: "none"}); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	if d := <-got; !d.Equal(long) {
+		t.Errorf("the statement's deadline is %v, want the last request's, %v", d, long)
+	}
+	start := time.Now()
+	if _, err := b.do(context.Background(), store.RecordKey{Key: "alone"}); err != nil {
+		t.Fatal(err)
+	}
+	if d := <-got; d.Before(start.Add(store.CallTimeout)) || d.After(time.Now().Add(store.CallTimeout)) {
+		t.Errorf("a request without a deadline gave its statement %v, want store.CallTimeout from its sending", time.Until(d))
+	}
+}
+
 // Two instances (two stores, two pools) send batches over the same keys
 // at once. Every batch locks its rows in one order, the same on every
 // instance, so no statement ever deadlocks; and the batches are real

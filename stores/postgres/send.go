@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddy-idempotency/idempotency/store"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // queuedAcquire is an acquire as its batcher queues it. mayHaveCommitted:
@@ -67,67 +68,37 @@ func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcqui
 		fail(err)
 		return
 	}
+	// One set of destinations for every row: the record's columns are
+	// NULL in the common case, a key just created, and a variable per
+	// column and row, escaping to Scan, was an allocation each.
+	var (
+		row  acquireRow
+		dest = row.dest()
+	)
 	answered := 0
 	for rows.Next() {
-		var (
-			n           int64
-			outcome     int32
-			status      *string
-			fingerprint []byte
-			method      *string
-			path        *string
-			createdAt   *time.Time
-			expiresAt   *time.Time
-			lockedAt    *time.Time
-			lockedUntil *time.Time
-			respStatus  *int32
-			respHeaders []byte
-			respBody    []byte
-			replayable  *bool
-			respSize    *int64
-			ttl         *int64
-		)
-		if err = rows.Scan(&n, &outcome, &status, &fingerprint, &method, &path, &createdAt, &expiresAt,
-			&lockedAt, &lockedUntil, &respStatus, &respHeaders, &respBody, &replayable, &respSize, &ttl); err != nil {
+		if err = rows.Scan(dest...); err != nil {
 			break
 		}
-		if n < 1 || int(n) > len(calls) {
+		if row.n < 1 || int(row.n) > len(calls) {
 			continue
 		}
-		c := calls[n-1]
+		c := calls[row.n-1]
 		answered++
 		switch {
-		case outcome < 0:
+		case row.outcome < 0:
 			c.err = pgx.ErrNoRows
 			continue
-		case store.Outcome(outcome) != store.OutcomeExisting:
-			c.res = store.AcquireResult{Outcome: store.Outcome(outcome)}
+		case store.Outcome(row.outcome) != store.OutcomeExisting:
+			c.res = store.AcquireResult{Outcome: store.Outcome(row.outcome)}
 			continue
 		}
-		rec := store.Record{
-			Status:    store.Status(*status),
-			Method:    *method,
-			Path:      *path,
-			CreatedAt: createdAt.UTC(),
-			ExpiresAt: expiresAt.UTC(),
-			TTL:       time.Duration(*ttl) * time.Microsecond,
+		rec, recErr := row.record()
+		if recErr != nil {
+			c.err = recErr
+			continue
 		}
-		copy(rec.Fingerprint[:], fingerprint)
-		if lockedAt != nil {
-			rec.LockedAt = lockedAt.UTC()
-		}
-		if lockedUntil != nil {
-			rec.LockedUntil = lockedUntil.UTC()
-		}
-		if rec.Status == store.StatusCompleted {
-			resp := storedResponse(respStatus, replayable, respSize, respBody)
-			if err := store.DecodeResponseHeaders(respHeaders, resp); err != nil {
-				c.err = fmt.Errorf("%w: decoding its stored response headers: %w", store.ErrRecordUnreadable, err)
-				continue
-			}
-			rec.Response = resp
-		}
-		c.res = store.AcquireResult{Outcome: store.OutcomeExisting, Record: &rec}
+		c.res = store.AcquireResult{Outcome: store.OutcomeExisting, Record: rec}
 	}
 	rows.Close()
 	if err == nil {
@@ -140,6 +111,53 @@ func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcqui
 		s.failed(err)
 		fail(err)
 	}
+}
+
+// acquireRow is a row of the acquire statement: the request's ordinal,
+// its outcome, and the record found (recordColumnNames), NULL but for an
+// existing one.
+type acquireRow struct {
+	n                                           int64
+	outcome                                     int32
+	status, method, path                        pgtype.Text
+	fingerprint, headers, body                  []byte
+	createdAt, expiresAt, lockedAt, lockedUntil pgtype.Timestamptz
+	respStatus                                  pgtype.Int4
+	replayable                                  pgtype.Bool
+	size, ttl                                   pgtype.Int8
+}
+
+// dest is what Scan fills, in the statement's order.
+func (r *acquireRow) dest() []any {
+	return []any{&r.n, &r.outcome, &r.status, &r.fingerprint, &r.method, &r.path, &r.createdAt, &r.expiresAt,
+		&r.lockedAt, &r.lockedUntil, &r.respStatus, &r.headers, &r.body, &r.replayable, &r.size, &r.ttl}
+}
+
+// record is the existing record that r holds.
+func (r *acquireRow) record() (*store.Record, error) {
+	rec := &store.Record{
+		Status:    store.Status(r.status.String),
+		Method:    r.method.String,
+		Path:      r.path.String,
+		CreatedAt: r.createdAt.Time.UTC(),
+		ExpiresAt: r.expiresAt.Time.UTC(),
+		TTL:       time.Duration(r.ttl.Int64) * time.Microsecond,
+	}
+	copy(rec.Fingerprint[:], r.fingerprint)
+	if r.lockedAt.Valid {
+		rec.LockedAt = r.lockedAt.Time.UTC()
+	}
+	if r.lockedUntil.Valid {
+		rec.LockedUntil = r.lockedUntil.Time.UTC()
+	}
+	if rec.Status == store.StatusCompleted {
+		resp := &store.Response{Body: r.body, Status: int(r.respStatus.Int32), Replayable: r.replayable.Bool, BodySize: r.size.Int64}
+		if err := store.DecodeResponseHeaders(r.headers, resp); err != nil {
+			return nil, fmt.Errorf("%w: decoding its stored response headers: %w", store.ErrRecordUnreadable, err)
+		}
+		rec.Response = resp
+	}
+	return rec, nil
 }
 
 // storedResponse is the response of a completed record, from its
