@@ -2,6 +2,9 @@ package idempotency
 
 import (
 	"bytes"
+	"crypto/hkdf"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
 	"net/http"
@@ -379,5 +382,33 @@ func TestUnreadableRecordIsNeverExecutedAgain(t *testing.T) {
 				t.Fatalf("the key executed %d more times", n-before)
 			}
 		})
+	}
+}
+
+// A record's key is HKDF-SHA256's Expand of the sealer's PRK with the
+// info sealKeyInfo || Idempotency-Key, as records sealed since v0.2.0
+// were: recordKey computes it by HMAC's definition, which a slip in a pad
+// or in the info's order would make another key, and every sealed record
+// unreadable. Keys of every length a request may bring, the pooled
+// buffer's limit either side.
+func TestRecordKeyIsHKDF(t *testing.T) {
+	for _, n := range []int{0, 1, 31, 32, 64, 255, 4 << 10, 5 << 10} {
+		for range 20 {
+			var sl sealer
+			rand.Read(sl.prk[:])
+			key := strings.Repeat("k", n)
+			if n > 0 {
+				key = rand.Text()[:1] + key[1:]
+			}
+			want, err := hkdf.Expand(sha256.New, sl.prk[:], sealKeyInfo+key, 32)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got [32]byte
+			sl.recordKey(&got, key)
+			if !bytes.Equal(got[:], want) {
+				t.Fatalf("key of %d bytes: recordKey %x, HKDF %x", n, got, want)
+			}
+		}
 	}
 }
