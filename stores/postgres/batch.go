@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -345,7 +344,7 @@ func (st statement) forRows(rows int, args []any) (string, []any) {
 	}
 	one := slices.Clone(args)
 	for i := range st.columns {
-		one[i] = reflect.ValueOf(args[i]).Index(0).Interface()
+		one[i] = args[i].(interface{ first() any }).first()
 	}
 	return st.one, one
 }

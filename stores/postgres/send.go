@@ -45,21 +45,22 @@ func (s *Store) sendAcquires(ctx context.Context, calls []*batchCall[queuedAcqui
 		fail(fmt.Errorf("waiting for a connection: %w", ctx.Err()))
 		return
 	}
+	n := len(calls)
 	var (
-		hashes, fingerprints, tokens [][]byte
-		keys, methods, paths         []string
-		retentions, locks            []int64
+		hashes, fingerprints, tokens = make(column[bytesParam], n), make(column[bytesParam], n), make(column[bytesParam], n)
+		keys, methods, paths         = make(column[textParam], n), make(column[textParam], n), make(column[textParam], n)
+		retentions, locks            = make(column[int8Param], n), make(column[int8Param], n)
 	)
-	for _, c := range calls {
+	for i, c := range calls {
 		r := &c.req
-		hashes = append(hashes, r.Key.CredentialHash[:])
-		keys = append(keys, r.Key.Key)
-		fingerprints = append(fingerprints, r.Fingerprint[:])
-		methods = append(methods, r.Method)
-		paths = append(paths, r.Path)
-		tokens = append(tokens, r.Token[:])
-		retentions = append(retentions, r.Retention.Microseconds())
-		locks = append(locks, r.LockTimeout.Microseconds())
+		hashes[i] = r.Key.CredentialHash[:]
+		keys[i] = textParam(r.Key.Key)
+		fingerprints[i] = r.Fingerprint[:]
+		methods[i] = textParam(r.Method)
+		paths[i] = textParam(r.Path)
+		tokens[i] = r.Token[:]
+		retentions[i] = int8Param(r.Retention.Microseconds())
+		locks[i] = int8Param(r.LockTimeout.Microseconds())
 	}
 	sql, args := s.sql.acquire.forRows(len(calls), []any{hashes, keys, fingerprints, methods, paths, tokens, retentions, locks})
 	rows, err := s.pool.Query(ctx, sql, args...)
@@ -235,37 +236,38 @@ func (s *Store) execOwned(ctx context.Context, b *ownedBatcher, req ownedRequest
 // permanent error) would fail the whole statement: the rows of a batch
 // that failed so are then sent alone, so that only the culprit fails.
 func (s *Store) sendOwned(ctx context.Context, op string, st statement, calls []*batchCall[ownedRequest, bool]) {
+	n := len(calls)
 	var (
-		hashes, tokens [][]byte
-		keys           []string
+		hashes, tokens = make(column[bytesParam], n), make(column[bytesParam], n)
+		keys           = make(column[textParam], n)
 		args           []any
 	)
-	for _, c := range calls {
-		hashes = append(hashes, c.req.key.CredentialHash[:])
-		keys = append(keys, c.req.key.Key)
-		tokens = append(tokens, c.req.token[:])
+	for i, c := range calls {
+		hashes[i] = c.req.key.CredentialHash[:]
+		keys[i] = textParam(c.req.key.Key)
+		tokens[i] = c.req.token[:]
 	}
 	args = append(args, hashes, keys, tokens)
 	if calls[0].req.resp != nil {
 		var (
-			statuses          []int32
-			headers, bodies   [][]byte
-			replayables       []bool
-			sizes, retentions []int64
+			statuses          = make(column[int4Param], n)
+			headers, bodies   = make(column[bytesParam], n), make(column[bytesParam], n)
+			replayables       = make(column[boolParam], n)
+			sizes, retentions = make(column[int8Param], n), make(column[int8Param], n)
 		)
-		for _, c := range calls {
+		for i, c := range calls {
 			r := c.req.resp
-			statuses = append(statuses, r.status)
-			headers = append(headers, r.headers)
-			bodies = append(bodies, r.body)
-			replayables = append(replayables, r.replayable)
-			sizes = append(sizes, r.size)
-			retentions = append(retentions, r.retention.Microseconds())
+			statuses[i] = int4Param(r.status)
+			headers[i] = r.headers
+			bodies[i] = r.body
+			replayables[i] = boolParam(r.replayable)
+			sizes[i] = int8Param(r.size)
+			retentions[i] = int8Param(r.retention.Microseconds())
 		}
 		args = append(args, statuses, headers, bodies, replayables, sizes, retentions)
 	}
-	var n int64
-	dest := []any{&n}
+	var row int64
+	dest := []any{&row}
 	if s.listener != nil && op != store.OpRenew {
 		// EnableWaiting made the statements that end a record notify:
 		// their rows have a second column, pg_notify's void.
@@ -283,8 +285,8 @@ func (s *Store) sendOwned(ctx context.Context, op string, st statement, calls []
 			if err = rows.Scan(dest...); err != nil {
 				break
 			}
-			if n >= 1 && int(n) <= len(calls) {
-				calls[n-1].res = true
+			if row >= 1 && int(row) <= len(calls) {
+				calls[row-1].res = true
 			}
 		}
 		rows.Close()

@@ -220,6 +220,7 @@ func (s *Store) Provision(ctx caddy.Context) error {
 		// refuses startup parameters it does not know, and the
 		// statements plan alike without them (migration 0006).
 		cfg.ConnConfig.Tracer = QueryTracer
+		cfg.AfterConnect = afterConnect
 		// The pool dials on its own, past the request that made it dial,
 		// and a dial has no bound of its own: one whose startup reply
 		// never comes (a database gone silent, a partition) held its
@@ -285,6 +286,7 @@ func Open(ctx context.Context, dsn string, table Table, appName string) (*Store,
 	}
 	const conns = 2
 	cfg.MaxConns = conns
+	cfg.AfterConnect = afterConnect
 	cfg.ConnConfig.RuntimeParams["application_name"] = appName
 	if cfg.ConnConfig.ConnectTimeout == 0 {
 		cfg.ConnConfig.ConnectTimeout = 10 * time.Second
