@@ -96,11 +96,12 @@ func (s *sealer) aead(key string) (cipher.AEAD, error) {
 	return cipher.NewGCM(block)
 }
 
-// expandState is what recordKey works with: a SHA-256 and a buffer,
+// expandState is what recordKey works with: a SHA-256 and buffers,
 // pooled, so that deriving a record's key allocates nothing.
 type expandState struct {
 	h   hash.Hash
 	buf []byte
+	sum [sha256.Size]byte
 }
 
 var expandStates = sync.Pool{New: func() any { return &expandState{h: sha256.New()} }}
@@ -114,26 +115,29 @@ var expandStates = sync.Pool{New: func() any { return &expandState{h: sha256.New
 // holds the two equal.
 func (s *sealer) recordKey(k *[32]byte, key string) {
 	st := expandStates.Get().(*expandState)
-	var pad [sha256.BlockSize]byte
-	for i := range pad {
-		pad[i] = 0x36
+	// The PRK, shorter than a block, is the HMAC key padded with zeros.
+	buf := st.buf[:0]
+	for i := range sha256.BlockSize {
+		b := byte(0x36)
 		if i < len(s.prk) {
-			pad[i] ^= s.prk[i]
+			b ^= s.prk[i]
 		}
+		buf = append(buf, b)
 	}
-	st.buf = append(append(append(st.buf[:0], sealKeyInfo...), key...), 1)
+	buf = append(append(append(buf, sealKeyInfo...), key...), 1)
 	st.h.Reset()
-	st.h.Write(pad[:])
-	st.h.Write(st.buf)
-	inner := st.h.Sum(k[:0])
-	for i := range pad {
-		pad[i] ^= 0x36 ^ 0x5c
+	st.h.Write(buf)
+	inner := st.h.Sum(st.sum[:0])
+	buf = buf[:sha256.BlockSize]
+	for i := range buf {
+		buf[i] ^= 0x36 ^ 0x5c
 	}
+	buf = append(buf, inner...)
 	st.h.Reset()
-	st.h.Write(pad[:])
-	st.h.Write(inner)
-	st.h.Sum(k[:0])
-	if cap(st.buf) <= 4<<10 {
+	st.h.Write(buf)
+	*k = [32]byte(st.h.Sum(st.sum[:0]))
+	st.buf = buf
+	if cap(buf) <= 4<<10 {
 		// A rare huge key's buffer is not kept.
 		expandStates.Put(st)
 	}

@@ -116,12 +116,17 @@ func (s *Store) Complete(ctx context.Context, key store.RecordKey, token store.L
 		status: int32(resp.Status), headers: store.EncodeResponseHeaders(resp), body: body,
 		replayable: resp.Replayable, size: resp.BodySize, retention: retention,
 	}})
-	if permanentError(err) {
+	switch {
+	case err == nil:
+		return nil
+	case permanentError(err):
 		return fmt.Errorf("%w: %w", store.ErrUnstorable, err)
-	}
-	if errors.Is(err, store.ErrLockLost) {
+	case errors.Is(err, store.ErrLockLost):
 		// An earlier attempt whose reply was lost may have completed it.
-		return s.afterLockLost(ctx, store.OpComplete, s.sql.completedBy, key.CredentialHash[:], key.Key, token[:])
+		// (Copies, so that key and token need not live on the heap on
+		// every call.)
+		hash, token := key.CredentialHash, token
+		return s.afterLockLost(ctx, store.OpComplete, s.sql.completedBy, hash[:], key.Key, token[:])
 	}
 	return err
 }
@@ -163,7 +168,8 @@ func permanentError(err error) bool {
 func (s *Store) Release(ctx context.Context, key store.RecordKey, token store.LockToken) error {
 	err := s.execOwned(ctx, s.releases, ownedRequest{key: key, token: token})
 	if errors.Is(err, store.ErrLockLost) {
-		return s.afterLockLost(ctx, store.OpRelease, s.sql.gone, key.CredentialHash[:], key.Key)
+		hash := key.CredentialHash
+		return s.afterLockLost(ctx, store.OpRelease, s.sql.gone, hash[:], key.Key)
 	}
 	return err
 }

@@ -240,7 +240,7 @@ func (s *Store) sendOwned(ctx context.Context, op string, st statement, calls []
 	var (
 		hashes, tokens = make(column[bytesParam], n), make(column[bytesParam], n)
 		keys           = make(column[textParam], n)
-		args           []any
+		args           = make([]any, 0, 11)
 	)
 	for i, c := range calls {
 		hashes[i] = c.req.key.CredentialHash[:]
