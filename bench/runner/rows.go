@@ -146,6 +146,13 @@ func (b *bench) httpRow(ctx context.Context, id, what, site string, args ...stri
 		return row{}, err
 	}
 	defer c.stop()
+	m, err := b.rowLoad(ctx, c, id, args...)
+	return row{ID: id, What: what, measurement: m}, err
+}
+
+// rowLoad measures the load of args on c as row id, with a CPU profile of
+// Caddy during the measured window if -profile asks for one.
+func (b *bench) rowLoad(ctx context.Context, c *caddyProc, id string, args ...string) (measurement, error) {
 	profiled := make(chan error, 1)
 	if b.cfg.profile != "" {
 		// Within the measured window: after the warmup, and ending before
@@ -165,7 +172,7 @@ func (b *bench) httpRow(ctx context.Context, id, what, site string, args ...stri
 			err = fmt.Errorf("row %s: profile: %w", id, perr)
 		}
 	}
-	return row{ID: id, What: what, measurement: m}, err
+	return m, err
 }
 
 // pooledDSN is the store's DSN through PgBouncer, which it starts at the
@@ -246,7 +253,7 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 		err = func() error {
 			defer c.stop()
 			if selected("5a") {
-				m, err := b.runLoad(ctx, "row5a", c.addr, b.cfg.warmup, nil, append(b.timing(), firstArgs(run.name("5a"))...)...)
+				m, err := b.rowLoad(ctx, c, "5a", firstArgs(run.name("5a"))...)
 				if err := add(row{ID: "5a", What: "first execution, memory store", measurement: m}, err); err != nil {
 					return err
 				}
@@ -255,7 +262,7 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 				if err := b.preload(ctx, "row5b-preload", c.addr, run.name("5b")); err != nil {
 					return err
 				}
-				m, err := b.runLoad(ctx, "row5b", c.addr, b.cfg.warmup, nil, append(b.timing(), replayArgs(run.name("5b"), keys)...)...)
+				m, err := b.rowLoad(ctx, c, "5b", replayArgs(run.name("5b"), keys)...)
 				return add(row{ID: "5b", What: "replay, memory store", measurement: m}, err)
 			}
 			return nil
@@ -300,7 +307,7 @@ func (b *bench) mainRows(ctx context.Context, run runNames, t *tables) ([]row, e
 				return nil
 			}
 			progress("row 3: replay, Postgres, replay cache off")
-			m, err := b.runLoad(ctx, "row3", c.addr, b.cfg.warmup, nil, append(b.timing(), replayArgs(replayKeys, keys)...)...)
+			m, err := b.rowLoad(ctx, c, "3", replayArgs(replayKeys, keys)...)
 			return add(row{ID: "3", What: "replay, Postgres, replay cache off", measurement: m}, err)
 		}()
 		if err != nil {
