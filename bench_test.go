@@ -381,7 +381,7 @@ func BenchmarkFirstExecutionPostgres(b *testing.B) {
 		return err
 	})
 	prefix := "pgbench-" + pgtest.RandomHex(8) + "-"
-	run := func(h *Handler, tag string, n int) (cpuPerOp time.Duration, allocsPerOp float64) {
+	run := func(h *Handler, tag string, n int) (cpuPerOp time.Duration, allocsPerOp, bytesPerOp float64) {
 		var (
 			i        atomic.Int64
 			failed   atomic.Pointer[error]
@@ -416,17 +416,19 @@ func BenchmarkFirstExecutionPostgres(b *testing.B) {
 			b.Fatal(*err)
 		}
 		cpu := time.Duration(ru1.Utime.Nano()-ru0.Utime.Nano()) + time.Duration(ru1.Stime.Nano()-ru0.Stime.Nano())
-		return cpu / time.Duration(n), float64(m1.Mallocs-m0.Mallocs) / float64(n)
+		return cpu / time.Duration(n), float64(m1.Mallocs-m0.Mallocs) / float64(n), float64(m1.TotalAlloc-m0.TotalAlloc) / float64(n)
 	}
 	run(mem, "warm-", 200) // connections, pools, the memory store's map
 	run(pg, "warm-", 200)
 	b.ResetTimer()
-	memCPU, memAllocs := run(mem, "", b.N)
-	pgCPU, pgAllocs := run(pg, "", b.N)
+	memCPU, memAllocs, memBytes := run(mem, "", b.N)
+	pgCPU, pgAllocs, pgBytes := run(pg, "", b.N)
 	b.ReportMetric(float64(memCPU.Nanoseconds())/1e3, "mem_us/op")
 	b.ReportMetric(float64(pgCPU.Nanoseconds())/1e3, "pg_us/op")
 	b.ReportMetric(float64((pgCPU-memCPU).Nanoseconds())/1e3, "pg-mem_us/op")
 	b.ReportMetric(float64(pgCPU)/float64(memCPU), "pg/mem")
 	b.ReportMetric(memAllocs, "mem_allocs/op")
 	b.ReportMetric(pgAllocs, "pg_allocs/op")
+	b.ReportMetric(memBytes, "mem_B/op")
+	b.ReportMetric(pgBytes, "pg_B/op")
 }

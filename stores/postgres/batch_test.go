@@ -105,7 +105,7 @@ WHERE key IN ('stale', 'stale-other')`)
 // modes that do not ask the server for the parameters' types find by
 // registration, and a body kept empty stays apart from one not kept
 // (NULL). Catches a column type that a mode cannot encode, and a nil
-// body sent as '' or an empty one as NULL.
+// body sent as ” or an empty one as NULL.
 func TestPostgresBatchesInEveryExecMode(t *testing.T) {
 	t.Parallel()
 	table := pgtest.FreshTable(t)
