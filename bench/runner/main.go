@@ -109,7 +109,7 @@ func main() {
 	flag.StringVar(&cfg.rows, "rows", "", "run only these rows of the main table (e.g. 1,2,6); the ratios need their rows")
 	flag.BoolVar(&cfg.keep, "keep", false, "keep the benchmark's tables")
 	flag.IntVar(&cfg.rounds, "rounds", 2, "measure every row this many times and keep each row's best round")
-	flag.StringVar(&cfg.profile, "profile", "", "write a CPU profile of Caddy during each HTTP row's measured window to this directory (row<id>.pprof, the last round's)")
+	flag.StringVar(&cfg.profile, "profile", "", "write a CPU profile of Caddy during each HTTP row's measured window to this directory (row<id>.pprof, the last round's), and its allocations at the window's start and end (row<id>.allocs-start.pprof, row<id>.allocs-end.pprof: compare them with pprof -base)")
 	flag.StringVar(&cfg.pgbouncer, "pgbouncer", "", "PgBouncer binary of rows 2b and 3b (default: on PATH or /usr/sbin/pgbouncer; off: skip them)")
 	flag.Parse()
 	if cfg.quick {

@@ -116,7 +116,13 @@ type caddyProc struct {
 
 // profile writes a CPU profile of Caddy, taken for d, to path.
 func (c *caddyProc) profile(ctx context.Context, d time.Duration, path string) error {
-	url := fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", c.admin, max(1, int(d.Seconds())))
+	return c.pprof(ctx, fmt.Sprintf("profile?seconds=%d", max(1, int(d.Seconds()))), path)
+}
+
+// pprof writes Caddy's pprof profile of query (under /debug/pprof/) to
+// path.
+func (c *caddyProc) pprof(ctx context.Context, query, path string) error {
+	url := fmt.Sprintf("http://%s/debug/pprof/%s", c.admin, query)
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return err

@@ -157,10 +157,21 @@ func (b *bench) rowLoad(ctx context.Context, c *caddyProc, id string, args ...st
 	if b.cfg.profile != "" {
 		// Within the measured window: after the warmup, and ending before
 		// the load does.
+		// The allocations are Caddy's since it started: the profiles at
+		// either end of the window, compared (pprof -base), give the
+		// window's.
 		go func() {
 			select {
 			case <-time.After(b.cfg.warmup):
-				profiled <- c.profile(ctx, b.cfg.duration-time.Second, filepath.Join(b.cfg.profile, "row"+id+".pprof"))
+				path := filepath.Join(b.cfg.profile, "row"+id)
+				err := c.pprof(ctx, "allocs", path+".allocs-start.pprof")
+				if err == nil {
+					err = c.profile(ctx, b.cfg.duration-time.Second, path+".pprof")
+				}
+				if err == nil {
+					err = c.pprof(ctx, "allocs", path+".allocs-end.pprof")
+				}
+				profiled <- err
 			case <-ctx.Done():
 				profiled <- ctx.Err()
 			}
