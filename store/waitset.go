@@ -65,3 +65,15 @@ func (s *WaitSet[K]) WakeAll() {
 		delete(s.m, key)
 	}
 }
+
+// WakeWhere wakes the waiters of the keys for which wake is true.
+func (s *WaitSet[K]) WakeWhere(wake func(K) bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for key, e := range s.m {
+		if wake(key) {
+			close(e.ch)
+			delete(s.m, key)
+		}
+	}
+}

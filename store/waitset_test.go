@@ -48,3 +48,24 @@ func TestWaitSetWakesAndForgets(t *testing.T) {
 	default:
 	}
 }
+
+// WakeWhere wakes the waiters of the keys it is told, and leaves the rest
+// waiting.
+func TestWaitSetWakesWhere(t *testing.T) {
+	var s WaitSet[string]
+	ctx := context.Background()
+	a, b := s.Wait(ctx, "a"), s.Wait(ctx, "b")
+	s.WakeWhere(func(k string) bool { return k == "a" })
+	select {
+	case <-a:
+	default:
+		t.Fatal("the waiter of a was not woken")
+	}
+	select {
+	case <-b:
+		t.Fatal("waking where a woke b")
+	default:
+	}
+	s.Wake("b")
+	<-b
+}

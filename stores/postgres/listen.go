@@ -293,12 +293,14 @@ func (l *pgListener) session(ctx context.Context) (connected bool, err error) {
 	listening := make(map[string]bool)
 	for {
 		want, changed := l.wanted()
+		added := make(map[string]bool)
 		for ch := range want {
 			if !listening[ch] {
 				if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{ch}.Sanitize()); err != nil {
 					return connected, err
 				}
 				listening[ch] = true
+				added[ch] = true
 			}
 		}
 		for ch := range listening {
@@ -309,10 +311,18 @@ func (l *pgListener) session(ctx context.Context) (connected bool, err error) {
 				delete(listening, ch)
 			}
 		}
-		connected = true
 		// Completions while this connection was not listening went
-		// unheard: every waiter looks again.
-		l.waits.WakeAll()
+		// unheard: every waiter looks again. Later, when the stores
+		// sharing the listener change, only the waiters of the channels
+		// just listened to: another store's coming or going changes
+		// nothing for the rest, whose waiters would otherwise all wake
+		// and ask their store again.
+		if !connected {
+			l.waits.WakeAll()
+		} else if len(added) > 0 {
+			l.waits.WakeWhere(func(k pgWaitKey) bool { return added[k.channel] })
+		}
+		connected = true
 		if err := l.receive(ctx, conn, changed); err != nil {
 			return connected, err
 		}
