@@ -306,13 +306,22 @@ func newSiteClient(t testing.TB, srv *caddyServer, port int) *site {
 // new connection may land in that listener's queue and be reset when it
 // closes, or be served by the old config; and a kept-alive connection to
 // the old server may be closed under the next request. So this waits
-// until the old listener is closed and drops the client's idle
-// connections: the next request opens one to the new config's server.
+// until the old listener is closed and gives the client a transport of
+// its own: the next request opens a connection to the new config's
+// server. Dropping the idle connections was not enough: Go's transport
+// hands a connection back to its pool a moment after the response's
+// body was read, so the previous request's could come back after the
+// drop, and be reset under the next request when the old server
+// closed it.
 func (s *site) reloaded(t testing.TB) {
 	t.Helper()
 	// A Caddyfile site's host does not bind it: it listens on the port.
 	waitListenerReleased(t, s.URL[strings.LastIndexByte(s.URL, ':'):])
-	s.client.CloseIdleConnections()
+	old := s.client.Transport.(*http.Transport)
+	old.CloseIdleConnections()
+	tr := old.Clone()
+	t.Cleanup(tr.CloseIdleConnections)
+	s.client.Transport = tr
 }
 
 // waitListenerReleased waits until one config only, the new one, listens
