@@ -66,22 +66,14 @@ func testCancelledContext(t *testing.T, s store.Store) {
 	MustAcquire(t, s, Retry(req), store.OutcomeCreated)
 }
 
-// A waiter of a record is woken by its completion and by its release,
-// and not by another record's.
-func testWaiter(t *testing.T, s store.Store) {
+// WaitForWakes waits until s, a store.Waiter, wakes its waiters: they
+// may start to flow a moment after waiting was enabled (a listener
+// connecting), and a probe record's release wakes its waiter once they
+// do.
+func WaitForWakes(t testing.TB, s store.Store) {
+	t.Helper()
 	w, _ := store.As[store.Waiter](s)
 	ctx := context.Background()
-	woken := func(ch <-chan struct{}) bool {
-		select {
-		case <-ch:
-			return true
-		case <-time.After(10 * time.Second):
-			return false
-		}
-	}
-	// Wakes may start to flow a moment after waiting was enabled (a
-	// listener connecting): a probe record's release wakes its waiter
-	// once they do.
 	probes := 0
 	WaitFor(t, 15*time.Second, "the store's wakes to flow", func() bool {
 		probes++
@@ -100,6 +92,22 @@ func testWaiter(t *testing.T, s store.Store) {
 			return false
 		}
 	})
+}
+
+// A waiter of a record is woken by its completion and by its release,
+// and not by another record's.
+func testWaiter(t *testing.T, s store.Store) {
+	w, _ := store.As[store.Waiter](s)
+	ctx := context.Background()
+	woken := func(ch <-chan struct{}) bool {
+		select {
+		case <-ch:
+			return true
+		case <-time.After(10 * time.Second):
+			return false
+		}
+	}
+	WaitForWakes(t, s)
 	for _, end := range []string{"complete", "release"} {
 		req := Request("Bearer waiter", "key-"+end, "{}")
 		MustAcquire(t, s, req, store.OutcomeCreated)

@@ -2,7 +2,6 @@ package postgres
 
 import (
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -12,31 +11,14 @@ import (
 )
 
 // waitingStore is a store on a fresh table with waiting enabled, once
-// its wakes flow: a probe record's release wakes its waiter.
+// its wakes flow.
 func waitingStore(t *testing.T) *Store {
 	t.Helper()
 	s := newTestStore(t, pgtest.FreshTable(t), 2)
 	if err := s.EnableWaiting(); err != nil {
 		t.Fatal(err)
 	}
-	probes := 0
-	storetest.WaitFor(t, 15*time.Second, "the store's wakes to flow", func() bool {
-		probes++
-		req := storetest.Request("Bearer waiter", fmt.Sprintf("probe-%d", probes), "{}")
-		storetest.MustAcquire(t, s, req, store.OutcomeCreated)
-		ctx, cancel := context.WithCancel(context.Background())
-		defer cancel()
-		ch := s.WaitCompleted(ctx, req.Key)
-		if err := s.Release(context.Background(), req.Key, req.Token); err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case <-ch:
-			return true
-		case <-time.After(200 * time.Millisecond):
-			return false
-		}
-	})
+	storetest.WaitForWakes(t, s)
 	return s
 }
 
